@@ -1,0 +1,71 @@
+"""Frozen, validated settings: what to sample, how to speculate, how to run. Bad values fail here, clearly."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdecode.errors import SpecDecodeError
+
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecDecodeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecDecodeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise SpecDecodeError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise SpecDecodeError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate. method: a drafter name or a comma-separated fallback chain such as 'ngram,draft'."""
+
+    method: str = "none"
+    num_draft_tokens: int = 3
+    adaptive: bool = True
+    draft_p_min: float = 0.0  # stop model drafting when the draft's top probability falls below this; 0 = off
+    ngram_min: int = 1
+    ngram_max: int = 4
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SpecDecodeError(
+                f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
+            )
+        if not 0 <= self.draft_p_min < 1:
+            raise SpecDecodeError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpecDecodeError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} ngram_max={self.ngram_max}"
+            )
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.method.split(",") if m.strip())

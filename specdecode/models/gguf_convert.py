@@ -1,0 +1,177 @@
+"""GGUF file -> Hugging Face-style folder (config.json, model.safetensors, tokenizer files), converted once.
+
+The folder is what every later start loads (memory-mapped safetensors: seconds, not a minute), and transformers
+can load it too, which keeps the reference tests and the benchmark peer on exactly the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.model_config import ModelConfig, unsupported_message
+
+# GGUF calls Mistral "llama"; both share one decoder here.
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",  # llama3 rope scaling factors; our loader reads them, transformers ignores them
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
+
+
+def open_gguf(path: Path):
+    """A GGUFReader over a checked file: a truncated or foreign file fails here with one clear message."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
+        raise SpecDecodeError(f"{path} is not a readable GGUF file ({error})") from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise SpecDecodeError(f"{path} is truncated: tensor {tensor.name} ends past the end of the file")
+    return reader
+
+
+def field_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    if field.types and field.types[0].name == "STRING" and len(field.data) == 1:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    values = [field.parts[i].tolist() for i in field.data]
+    values = [v[0] if isinstance(v, list) and len(v) == 1 else v for v in values]
+    return values[0] if len(values) == 1 else values
+
+
+def config_from_gguf(reader, path: Path) -> ModelConfig:
+    gguf_arch = field_value(reader, "general.architecture")
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        raise SpecDecodeError(f"{path}: {unsupported_message(gguf_arch)}")
+
+    def meta(key, default=None):
+        return field_value(reader, f"{gguf_arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling = None
+    if meta("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    return ModelConfig(
+        architecture=_GGUF_ARCHITECTURES[gguf_arch],
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_down.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in GGUF file")
+    block, part, kind = match.groups()
+    return f"model.layers.{block}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """One GGUF tensor -> float32 array in PyTorch's [out, in] layout."""
+    from gguf import dequantize
+
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves rotary halves of q/k rows for the llama architecture; undo that."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:
+    """Write `out_dir` atomically (temp folder + rename) so an interrupted conversion is never mistaken for done."""
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    state: dict[str, torch.Tensor] = {}
+    permute = field_value(reader, "general.architecture") == "llama"
+    for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=quiet):
+        name = hf_name(tensor.name)
+        weight = torch.from_numpy(dequantize_tensor(tensor))
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_llama_qk(weight, config.num_heads)
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_llama_qk(weight, config.num_kv_heads)
+        state[name] = weight if name == "rope_freqs" else weight.to(dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config.to_hf() | {"torch_dtype": str(dtype)[6:]}, indent=1))
+        _write_tokenizer(path, staging, config)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out_dir
+
+
+def _write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, OSError, TypeError) as error:
+        raise SpecDecodeError(f"{path}: could not build a tokenizer from the GGUF metadata ({error})") from None
+    tokenizer.save_pretrained(str(out_dir))
+    vocab = tokenizer.get_vocab()
+    eos = sorted({*config.eos_token_ids, *(vocab[t] for t in _END_OF_TURN if t in vocab)})
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=1))

@@ -1,0 +1,83 @@
+"""Preallocated per-layer K/V storage with per-sequence lengths.
+
+Slots are written in order; rollback never copies for a chain (truncate just lowers the length, later writes
+overwrite the stale slots) and does one gather for a tree (compact keeps the accepted path's slots).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        # The position each slot was written for; tree nodes share positions, so slot index != position.
+        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, S]
+        self.lengths = [0] * batch_size
+        self.capacity = capacity
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def check_room(self, new_tokens: int) -> None:
+        if max(self.lengths) + new_tokens > self.capacity:
+            raise SpecDecodeError(
+                f"context full: {max(self.lengths)} cached + {new_tokens} new tokens exceed the cache "
+                f"capacity of {self.capacity} tokens"
+            )
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values [B, Hkv, T, D] after each sequence's current length (not yet advanced).
+
+        Returns the layer's keys and values [B, Hkv, S_used, D] covering every slot a query may see.
+        """
+        new = keys.shape[2]
+        for b, start in enumerate(self.lengths):
+            self.keys[layer, b, :, start : start + new] = keys[b]
+            self.values[layer, b, :, start : start + new] = values[b]
+        used = max(self.lengths) + new
+        return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
+
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """positions [B, T] of the tokens about to be written."""
+        new = positions.shape[1]
+        for b, start in enumerate(self.lengths):
+            self.positions[b, start : start + new] = positions[b]
+
+    def advance(self, new_tokens: int) -> None:
+        self.lengths = [n + new_tokens for n in self.lengths]
+
+    def truncate(self, length: int, batch_index: int | None = None) -> None:
+        """Chain rollback: forget every slot at or after `length` (O(1): the data stays, to be overwritten)."""
+        targets = range(self.batch_size) if batch_index is None else (batch_index,)
+        for b in targets:
+            if length > self.lengths[b]:
+                raise ValueError(f"cannot truncate sequence {b} from {self.lengths[b]} up to {length} slots")
+            self.lengths[b] = length
+
+    def compact(self, keep_slots: torch.Tensor, start: int, batch_index: int = 0) -> None:
+        """Tree rollback: keep slots [0, start) plus `keep_slots` [N] (ascending, all >= start), packed after start.
+
+        One gather per tensor moves the accepted path's K/V into consecutive slots.
+        """
+        n = keep_slots.numel()
+        dest = slice(start, start + n)
+        self.keys[:, batch_index, :, dest] = self.keys[:, batch_index, :, keep_slots]
+        self.values[:, batch_index, :, dest] = self.values[:, batch_index, :, keep_slots]
+        self.positions[batch_index, dest] = self.positions[batch_index, keep_slots]
+        self.lengths[batch_index] = start + n

@@ -1,0 +1,129 @@
+"""One config for every supported Llama-family architecture: the differences between families are fields here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdecode.errors import SpecDecodeError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2/2.5 carry a bias on q, k and v only
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3 normalises q and k per head before rope
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise SpecDecodeError(unsupported_message(self.architecture))
+        if self.num_heads % self.num_kv_heads:
+            raise SpecDecodeError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        """Build from a Hugging Face config.json dict."""
+        arch = hf.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise SpecDecodeError(unsupported_message(arch or str(hf.get("architectures"))))
+        num_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        use_window = hf.get("use_sliding_window", arch == "mistral")
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else attention_bias,
+            o_bias=attention_bias and arch != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=hf.get("sliding_window") if use_window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        )
+
+    def to_hf(self) -> dict:
+        """The config.json we write next to converted weights, readable by transformers too."""
+        hf = {
+            "model_type": self.architecture,
+            "architectures": [_HF_CLASS[self.architecture]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mlp_bias": self.mlp_bias,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+        }
+        if self.architecture != "qwen2":
+            hf["attention_bias"] = self.qkv_bias
+        return hf
+
+
+_HF_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def unsupported_message(name: str | None) -> str:
+    return f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _rope_theta(hf: dict) -> float:
+    # transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level.
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict) -> dict | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}

@@ -1,0 +1,186 @@
+"""Our decoder for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3): one implementation, config-driven.
+
+Built for speculative decoding: the caller supplies positions (tree nodes share them), an optional mask over the
+new tokens, which positions need logits, and which hidden states to return (boundary ids, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.model_config import ModelConfig
+from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        # q, k and v in one matmul: one weight stream per layer instead of three.
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, 1, T, D/2]
+        sin: torch.Tensor,  # [B, 1, T, D/2]
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
+    ) -> torch.Tensor:
+        batch, new, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q = q.view(batch, new, heads, dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(batch, new, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(batch, new, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D] each
+        # Grouped-query attention without copying K/V: fold each kv head's query group into the query length.
+        group = heads // kv_heads
+        q = q.reshape(batch, kv_heads, group * new, dim)  # [B, Hkv, G*T, D]
+        if mask is not None:
+            mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+        out = out.reshape(batch, heads, new, dim).transpose(1, 2).reshape(batch, new, heads * dim)
+        return self.o(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T', V] float32, T' = len(logits_at) or T
+    hidden: dict[int, torch.Tensor]  # boundary id -> [B, T, hidden]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope: RopeTable | None = None
+
+    def setup_rope(self, rope_factors: torch.Tensor | None = None) -> None:
+        """Build the cos/sin table once the weights (and so the dtype and device) are final."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        weight = self.embed.weight
+        inv_freq = inverse_frequencies(self.config, rope_factors)
+        self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, weight.dtype, weight.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,  # [B, T, T] bool over the new tokens; None = causal
+        hidden_layers: tuple[int, ...] = (),
+        logits_at: torch.Tensor | slice | None = None,  # which of the T positions need logits; None = all
+    ) -> ForwardOutput:
+        new = tokens.shape[1]
+        cache.check_room(new)
+        mask = self._mask(positions, cache, attn_mask)
+        cos, sin = self.rope.lookup(positions)
+        cache.record_positions(positions)
+        x = self.embed(tokens)  # [B, T, hidden]
+        hidden = {0: x} if 0 in hidden_layers else {}
+        for index, layer in enumerate(self.layers):
+            x = x + layer.attn(layer.attn_norm(x), cos, sin, cache, index, mask)
+            x = x + layer.mlp(layer.mlp_norm(x))
+            if index + 1 in hidden_layers:
+                hidden[index + 1] = x
+        cache.advance(new)
+        if logits_at is not None:
+            x = x[:, logits_at]
+        logits = self.lm_head(self.norm(x)).float()  # [B, T', V]
+        return ForwardOutput(logits, hidden)
+
+    def _mask(
+        self, positions: torch.Tensor, cache: KVCache, tree: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """[B, 1, T, S] bool over the slots a query may see: all earlier slots plus its own new tokens."""
+        batch, new = positions.shape
+        window = self.config.sliding_window
+        used = max(cache.lengths) + new
+        uniform = len(set(cache.lengths)) == 1
+        needs_window = window is not None and used > window
+        if new == 1 and uniform and tree is None and not needs_window:
+            return None  # one new token per sequence sees every cached slot
+        device = positions.device
+        starts = torch.tensor(cache.lengths, device=device).view(batch, 1, 1)
+        relative = torch.arange(used, device=device).view(1, 1, used) - starts  # [B, 1, S] index among new
+        query = torch.arange(new, device=device).view(1, new, 1)
+        if tree is None:
+            visible = relative <= query  # [B, T, S]: causal over new tokens, all of the past
+        else:
+            in_new = (relative >= 0) & (relative < new)
+            tree_cols = tree.gather(2, relative.clamp(0, new - 1).expand(batch, new, used))  # [B, T, S]
+            visible = (relative < 0) | (in_new & tree_cols)
+        if needs_window:
+            key_positions = cache.positions[:, :used].unsqueeze(1)  # [B, 1, S], new slots filled below
+            key_positions = key_positions.clone()
+            for b, start in enumerate(cache.lengths):
+                key_positions[b, 0, start : start + new] = positions[b]
+            visible = visible & (key_positions > positions.unsqueeze(2) - window)
+        return visible.unsqueeze(1)

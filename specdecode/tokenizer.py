@@ -1,0 +1,128 @@
+"""Tokenizer, chat template and an incremental detokenizer that never emits half a character or a stop string."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.model_config import ModelConfig
+
+# Turn and text terminators that instruct models emit; any of them present in the vocabulary ends generation.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: frozenset[int]):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_folder(cls, folder: Path, config: ModelConfig) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SpecDecodeError(f"{folder}: could not load the tokenizer ({error})") from None
+        eos = set(config.eos_token_ids)
+        generation = folder / "generation_config.json"
+        if generation.is_file():
+            listed = json.loads(generation.read_text()).get("eos_token_id")
+            eos.update(listed if isinstance(listed, list) else [listed] if listed is not None else [])
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        vocab = hf.get_vocab()
+        eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return cls(hf, frozenset(eos))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Messages [{"role", "content"}] -> prompt ids ending where the assistant's reply begins."""
+        if not self.has_chat_template:
+            raise SpecDecodeError("this model has no chat template; pass raw text instead")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_strings(self) -> list[str]:
+        """Every id's token string, for checking that two models share a vocabulary."""
+        return self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas.
+
+    Decodes a short window (from the last stable boundary) instead of the whole output each step, holds back
+    text ending in an incomplete UTF-8 character, and holds back any tail that could still become a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = 0  # ids before this are already turned into text
+        self.text = ""  # all text decoded so far
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+
+    def add(self, ids: list[int]) -> str:
+        """Append ids; return the new text that is safe to show. Sets `stopped` when a stop string appears."""
+        for token in ids:
+            self.ids.append(token)
+            window_before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            window_now = self.tokenizer.decode(self.ids[self.prefix_offset :])
+            if len(window_now) > len(window_before) and not window_now.endswith("\ufffd"):
+                self.text += window_now[len(window_before) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a partial stop-string candidate) is plain text after all."""
+        if not self.stopped and self.read_offset < len(self.ids):
+            tail = self.tokenizer.decode(self.ids[self.prefix_offset :])
+            self.text += tail[len(self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])) :]
+            self.read_offset = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = len(self.text)
+        for stop in self.stop:
+            found = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
+            if found != -1 and found < cut:
+                cut, self.stopped = found, True
+        if not self.stopped and not final:
+            cut -= self._held_back()
+        delta = self.text[self.emitted : cut]
+        self.emitted = max(self.emitted, cut)
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text) - self.emitted), longest, -1):
+                if self.text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+    @property
+    def output_text(self) -> str:
+        """The full visible text (stop string and what follows it removed)."""
+        return self.text[: self.emitted]

@@ -1,0 +1,80 @@
+"""Tiny models built in the test session: random Llama-family configs saved as real Hugging Face folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 272  # 256 byte tokens + specials, padded like real checkpoints pad their embedding
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", rope_theta=10000.0, attention_bias=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", rope_theta=10000.0, sliding_window=24),
+    "qwen2": dict(model_type="qwen2", rope_theta=1000000.0, use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", rope_theta=1000000.0, head_dim=24, attention_bias=False),
+}
+
+
+def tiny_hf_config(arch: str, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
+    spec = {**base, **TINY_CONFIGS[arch], **overrides}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def byte_tokenizer():
+    """A real byte-level BPE tokenizer with no merges: every byte is a token, plus chat specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
+                                        eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, **overrides) -> Path:
+    """A random model of `arch` saved as config.json + model.safetensors + tokenizer files.
+
+    `noise` perturbs every weight of the seed's model: a noisy copy makes a draft that agrees with the target
+    often but not always, which is what exercises acceptance and rollback.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3) if param.dim() > 1 else param.uniform_(0.8, 1.2)
+        if noise:
+            generator = torch.Generator().manual_seed(seed + 1000)
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * noise)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    byte_tokenizer().save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> folder of a tiny random model, built once per session."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny_model(root / arch, arch) for arch in TINY_CONFIGS}
