@@ -125,7 +125,9 @@ def dequantize_tensor(tensor) -> np.ndarray:
     """One GGUF tensor -> float32 array in PyTorch's [out, in] layout."""
     from gguf import dequantize
 
-    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    # Unquantized tensors come back as read-only views of the memory-mapped file; torch wants its own copy.
+    return array if array.flags.writeable else array.copy()
 
 
 def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""Command line: `specdecode generate | models`. Every user error ends in one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.errors import SpecDecodeError
+from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, status
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("--model", help=f"target: a default name, a .gguf file or a model folder (default {DEFAULT_TARGET})")
+    group.add_argument("--draft-model", help=f"draft model for --spec-type draft (default {DEFAULT_DRAFT} "
+                       "when --model is not given)")
+    group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
+    group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--context", type=int, help="context limit in tokens (default: the model's)")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--spec-type", help="none, draft, ngram, or a fallback chain such as ngram,draft "
+                       "(default: ngram,draft with a draft model, else ngram)")
+    group.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per step (default 3)")
+    group.add_argument("--draft-p-min", type=float, default=0.0,
+                       help="stop model drafting when the draft's top probability is below this (default 0 = off)")
+    group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                       help="adapt the draft length to recent acceptance (default on)")
+    group.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram to look up (default 1)")
+    group.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram to look up (default 4)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate text for one prompt, streaming")
+    generate.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    generate.add_argument("--compare-plain", action="store_true",
+                          help="also run plain decoding on the same prompt and report the speedup")
+    generate.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
+    add_model_args(generate)
+    add_spec_args(generate)
+    add_sampling_args(generate)
+    commands.add_parser("models", help="list the default models and whether they are ready")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    try:
+        if args.command == "models":
+            return list_models()
+        from specdecode.generate_command import run_generate
+
+        return run_generate(args)
+    except SpecDecodeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def list_models() -> int:
+    for model in DEFAULT_MODELS.values():
+        print(f"{model.name:32} {model.role:7} {model.size / 1e9:5.2f} GB  {status(model)}")
+    return 0
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
+    method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
+    return SpecConfig(method=method, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
+                      draft_p_min=args.draft_p_min, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""How many tokens to draft next: fixed, or adapted to how well recent drafts were accepted."""
+
+from __future__ import annotations
+
+
+class DraftLength:
+    """Grows by one after a fully accepted draft and shrinks by one after a rejection, within [1, 2 * initial].
+
+    Close to transformers' candidate-generator heuristic (+2 / -1); symmetric steps keep the length from
+    overshooting when acceptance hovers around the point where one more drafted token stops paying.
+    """
+
+    def __init__(self, initial: int, adaptive: bool):
+        self.current = initial
+        self.adaptive = adaptive and initial > 0
+        self.maximum = 2 * initial
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.current = min(self.current + 1, self.maximum)
+        else:
+            self.current = max(1, self.current - 1)

@@ -1,0 +1,76 @@
+"""`specdecode generate`: stream one completion, then report stats (and the speedup over plain decoding)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdecode.cli import sampling_from_args, spec_from_args
+from specdecode.config import SpecConfig
+from specdecode.engine import Engine
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.stats import GenerationStats
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = sampling_from_args(args)
+    draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+    spec = spec_from_args(args, has_draft=draft_name is not None)
+    if "draft" not in spec.methods:
+        draft_name = None  # no need to load a model nobody drafts with
+    quiet = args.quiet or args.json
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet=quiet)
+    draft = load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet=quiet) if draft_name else None
+    engine = Engine(target, draft, spec, context_limit=args.context)
+
+    token_ids: list[int] = []
+    text: list[str] = []
+    for event in engine.generate(prompt, sampling, raw=args.raw):
+        token_ids.extend(event.token_ids)
+        text.append(event.text)
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    stats: GenerationStats = event.stats
+    report = {"text": "".join(text), "token_ids": token_ids, "finish_reason": event.finish_reason,
+              "stats": stats.to_dict()}
+    if args.compare_plain:
+        report["plain"] = compare_plain(engine, prompt, sampling, args, token_ids, stats)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        sys.stdout.write("\n")
+        if not args.quiet:
+            print(stats_line(stats), file=sys.stderr)
+            if args.compare_plain:
+                plain = report["plain"]
+                print(f"plain decoding: {plain['tokens_per_second']:.2f} tokens/s; speculative speedup "
+                      f"{plain['speedup']:.2f}x; identical output: {plain['identical']}", file=sys.stderr)
+    return 0
+
+
+def compare_plain(engine: Engine, prompt: str, sampling, args, token_ids: list[int], stats: GenerationStats) -> dict:
+    """The same prompt through plain decoding in the same process: the honest baseline for the speedup."""
+    if not args.quiet and not args.json:
+        print("\n[plain decoding for comparison...]", file=sys.stderr)
+    plain = engine.complete(prompt, sampling, SpecConfig("none"), raw=args.raw)
+    if plain.stats.tokens_per_second == 0:
+        raise SpecDecodeError("plain decoding produced no tokens to compare against")
+    return {
+        "tokens_per_second": round(plain.stats.tokens_per_second, 3),
+        "speedup": round(stats.tokens_per_second / plain.stats.tokens_per_second, 3),
+        "identical": plain.token_ids == token_ids,
+    }
+
+
+def stats_line(stats: GenerationStats) -> str:
+    line = (f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens, "
+            f"{stats.tokens_per_second:.2f} tokens/s, method {stats.method}")
+    if stats.drafted_tokens:
+        line += (f", acceptance {stats.acceptance_rate:.1%}, mean accepted length "
+                 f"{stats.mean_accepted_length:.2f}")
+    return line + "]"

@@ -1,0 +1,85 @@
+"""Speculative-decoding statistics for one request, kept in one place and derived the same way everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str = "none"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0  # verify forwards after prefill; each commits >= 1 token
+    step_tokens: int = 0  # tokens committed by those forwards, bonus included
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # method -> drafted tokens (for combinations)
+    accepted_by: dict[str, int] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def record_step(self, source: str, drafted: int, accepted: int, committed: int) -> None:
+        self.target_forwards += 1
+        self.step_tokens += committed
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if drafted:
+            self.drafted_by[source] = self.drafted_by.get(source, 0) + drafted
+            self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
+        while len(self.drafted_per_position) < drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for position in range(drafted):
+            self.drafted_per_position[position] += 1
+            self.accepted_per_position[position] += position < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target forward, bonus included: 1.00 for plain decoding."""
+        return self.step_tokens / self.target_forwards if self.target_forwards else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the whole request's wall time, prefill included (Spec-Bench's definition)."""
+        return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode = self.total_seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "drafted_by": dict(self.drafted_by),
+            "accepted_by": dict(self.accepted_by),
+            "target_forwards": self.target_forwards,
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+        }

@@ -1,0 +1,183 @@
+"""The heart of the suite: every drafting method reproduces plain decoding exactly, and stats add up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.models.loader import load_model
+
+# Prompts with repetition so prompt lookup finds matches, and one without.
+PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
+METHODS = ["ngram", "draft", "ngram,draft"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a noisy copy of it as the draft: they agree often but not always."""
+    root = tmp_path_factory.mktemp("pair")
+    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
+    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return Engine(*pair)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine):
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {p: engine.complete(p, sampling, SpecConfig("none")).token_ids for p in PROMPTS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_output_equals_plain_decoding(engine, plain_outputs, method, k, adaptive):
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = engine.complete(prompt, sampling, SpecConfig(method, num_draft_tokens=k, adaptive=adaptive))
+        assert result.token_ids == plain_outputs[prompt], f"{method} k={k} diverged on {prompt!r}"
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    # The check only has teeth if drafts were both accepted and rejected (so rollback ran).
+    assert 0 < accepted < drafted
+
+
+def test_draft_in_cheaper_dtype_keeps_output(pair, plain_outputs, tmp_path):
+    target, _ = pair
+    draft_bf16 = load_model(save_tiny_model(tmp_path / "d", "qwen2", scale=0.15, noise=0.01), dtype="bfloat16")
+    engine = Engine(target, draft_bf16)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert engine.complete(prompt, sampling, SpecConfig("draft")).token_ids == plain_outputs[prompt]
+
+
+@pytest.mark.parametrize("method", ["none", *METHODS])
+def test_same_seed_same_sampled_text(engine, method):
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=30, seed=7, ignore_eos=True)
+    first = engine.complete(PROMPTS[0], sampling, SpecConfig(method))
+    second = engine.complete(PROMPTS[0], sampling, SpecConfig(method))
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 30
+    other = engine.complete(PROMPTS[0], SamplingParams(temperature=0.9, max_tokens=30, seed=8, ignore_eos=True),
+                            SpecConfig(method))
+    assert other.token_ids != first.token_ids
+
+
+def test_stats_add_up(engine):
+    result = engine.complete(PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                             SpecConfig("ngram,draft"))
+    stats = result.stats
+    assert stats.new_tokens == len(result.token_ids) == MAX_TOKENS
+    assert stats.new_tokens == 1 + stats.step_tokens  # the first token comes from prefill
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert sum(stats.drafted_by.values()) == stats.drafted_tokens
+    # A draft position is only reached when every earlier one was drafted.
+    assert all(a >= b for a, b in zip(stats.drafted_per_position, stats.drafted_per_position[1:]))
+    assert stats.mean_accepted_length == pytest.approx(stats.step_tokens / stats.target_forwards)
+    plain = engine.complete(PROMPTS[3], SamplingParams(max_tokens=10, ignore_eos=True), SpecConfig("none"))
+    assert plain.stats.mean_accepted_length == 1.0 and plain.stats.drafted_tokens == 0
+
+
+def test_streamed_text_matches_decoded_ids(engine):
+    events = list(engine.generate(PROMPTS[1], SamplingParams(max_tokens=25, ignore_eos=True),
+                                  SpecConfig("ngram")))
+    ids = [t for e in events for t in e.token_ids]
+    assert "".join(e.text for e in events) == engine.target.tokenizer.decode(ids)
+    assert [e.finish_reason for e in events][-1] == "length"
+    assert all(e.stats is None for e in events[:-1]) and events[-1].stats is not None
+
+
+def test_stops_at_end_of_turn_token(engine, plain_outputs):
+    eos_token = plain_outputs[PROMPTS[2]][5]
+    engine.target.tokenizer.eos_token_ids = frozenset({eos_token})
+    try:
+        result = engine.complete(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS), SpecConfig("draft"))
+    finally:
+        engine.target.tokenizer.eos_token_ids = frozenset({256, 257})
+    assert result.finish_reason == "stop"
+    assert result.token_ids == plain_outputs[PROMPTS[2]][: plain_outputs[PROMPTS[2]].index(eos_token) + 1]
+
+
+def test_stop_string_cuts_text(engine, plain_outputs):
+    full = engine.target.tokenizer.decode(plain_outputs[PROMPTS[0]])
+    stop = full[10:13]
+    result = engine.complete(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True),
+                             SpecConfig("ngram,draft"))
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.index(stop)]
+
+
+def test_context_limit_ends_generation(pair):
+    engine = Engine(*pair, context_limit=40)
+    prompt_len = len(engine.encode(PROMPTS[0]))
+    result = engine.complete(PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True), SpecConfig("ngram,draft"))
+    assert result.finish_reason == "length"
+    assert len(result.token_ids) == 40 - prompt_len
+
+
+def test_prompt_over_context_is_a_clear_error(pair):
+    engine = Engine(*pair, context_limit=10)
+    with pytest.raises(SpecDecodeError, match="leaves no room in the context of 10"):
+        engine.complete("a much longer prompt than ten tokens")
+
+
+def test_unknown_method_lists_valid_ones(engine):
+    with pytest.raises(SpecDecodeError, match="unknown speculative method 'eagle9'.*draft.*ngram.*none"):
+        engine.complete("hi", spec=SpecConfig("eagle9"))
+
+
+def test_draft_method_without_draft_model(pair):
+    with pytest.raises(SpecDecodeError, match="needs a draft model"):
+        Engine(pair[0], spec=SpecConfig("ngram,draft"))
+
+
+@pytest.mark.parametrize("k", [-1, 65, 10_000])
+def test_absurd_draft_lengths_are_rejected(k):
+    with pytest.raises(SpecDecodeError, match="num_draft_tokens must be between 0 and 64"):
+        SpecConfig("ngram", num_draft_tokens=k)
+
+
+def test_vocabulary_mismatch_names_both_models(pair, tmp_path):
+    target, _ = pair
+    folder = save_tiny_model(tmp_path / "other", "qwen2", scale=0.15)
+    other = load_model(folder, dtype="float32")
+    other.tokenizer.hf.add_tokens(["<extra_token>"])
+    with pytest.raises(SpecDecodeError, match=r"vocabulary mismatch: draft model .*other.* and target"):
+        Engine(target, other)
+
+
+def test_larger_draft_warns(pair, tmp_path, caplog):
+    target, _ = pair
+    bigger = load_model(save_tiny_model(tmp_path / "big", "qwen2", scale=0.15, num_hidden_layers=6), dtype="float32")
+    with caplog.at_level("WARNING"):
+        Engine(target, bigger, SpecConfig("draft"))
+    assert "is not smaller than the target" in caplog.text
+
+
+def test_zero_draft_tokens_is_plain_decoding(engine, plain_outputs):
+    result = engine.complete(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                             SpecConfig("ngram,draft", num_draft_tokens=0))
+    assert result.token_ids == plain_outputs[PROMPTS[0]]
+    assert result.stats.drafted_tokens == 0 and result.stats.mean_accepted_length == 1.0
+
+
+def test_draft_p_min_stops_unsure_drafts(engine, plain_outputs):
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    loose = engine.complete(PROMPTS[2], sampling, SpecConfig("draft", num_draft_tokens=8, adaptive=False))
+    strict = engine.complete(PROMPTS[2], sampling, SpecConfig("draft", num_draft_tokens=8, adaptive=False,
+                                                              draft_p_min=0.9))
+    assert strict.token_ids == loose.token_ids == plain_outputs[PROMPTS[2]]
+    assert strict.stats.drafted_tokens < loose.stats.drafted_tokens
+
+
+def test_inference_mode_does_not_leak_between_events(engine):
+    for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), SpecConfig("draft")):
+        assert not torch.is_inference_mode_enabled()
