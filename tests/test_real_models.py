@@ -1,0 +1,65 @@
+"""The real default models (Qwen2.5-Coder 1.5B target, 0.5B draft), from their PyPI part packages.
+
+Slow (the first run assembles and converts the GGUF files into the cache), bounded (a few short prompts),
+and run in CI like every other test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models.loader import load_model
+from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a hash map is.",
+]
+# Our fp32 forward vs transformers' on the same weights: both sum the same products in a different order.
+LOGITS_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def draft_fp32():
+    return load_model(DEFAULT_DRAFT, dtype="float32", quiet=True)
+
+
+def test_default_draft_matches_transformers(draft_fp32):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(draft_fp32.folder), dtype=torch.float32).eval()
+    engine = Engine(draft_fp32)
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).logits[0]  # [P, V]
+            ours = draft_fp32.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0),
+                                    draft_fp32.model.new_cache(len(ids))).logits[0]  # [P, V]
+            assert torch.allclose(ours, expected, atol=LOGITS_ATOL, rtol=0)
+            reference_ids = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        ours_ids = engine.complete(prompt, SamplingParams(max_tokens=32, ignore_eos=True),
+                                   SpecConfig("none")).token_ids
+        assert ours_ids == reference_ids[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    target = load_model(DEFAULT_TARGET, quiet=True)
+    draft = load_model(DEFAULT_DRAFT, quiet=True)
+    return Engine(target, draft)
+
+
+def test_default_pair_speculation_is_lossless(default_engine):
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = default_engine.complete(prompt, sampling, SpecConfig("none"))
+        for method in ("draft", "ngram", "ngram,draft"):
+            result = default_engine.complete(prompt, sampling, SpecConfig(method))
+            assert result.token_ids == plain.token_ids, f"{method} diverged on {prompt!r}"
+            if method != "ngram":
+                assert result.stats.accepted_tokens > 0
