@@ -50,7 +50,8 @@ def byte_tokenizer():
     return tokenizer
 
 
-def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, **overrides) -> Path:
+def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, scale: float = 0.3,
+                    **overrides) -> Path:
     """A random model of `arch` saved as config.json + model.safetensors + tokenizer files.
 
     `noise` perturbs every weight of the seed's model: a noisy copy makes a draft that agrees with the target
@@ -62,7 +63,7 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, 
     model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0, 0.3) if param.dim() > 1 else param.uniform_(0.8, 1.2)
+            param.normal_(0, scale) if param.dim() > 1 else param.uniform_(0.8, 1.2)
         if noise:
             generator = torch.Generator().manual_seed(seed + 1000)
             for param in model.parameters():

@@ -54,7 +54,13 @@ def open_gguf(path: Path):
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
-        raise SpecDecodeError(f"{path} is not a readable GGUF file ({error})") from None
+        # The reader's own errors (a failed reshape, a bad dtype view) do not say why; the magic bytes tell a
+        # foreign file from a cut-off one.
+        with path.open("rb") as handle:
+            is_gguf = handle.read(4) == b"GGUF"
+        if not is_gguf:
+            raise SpecDecodeError(f"{path} is not a GGUF file (it does not start with the GGUF magic)") from None
+        raise SpecDecodeError(f"{path} is truncated or corrupt: not a readable GGUF file ({error})") from None
     size = path.stat().st_size
     for tensor in reader.tensors:
         if tensor.data_offset + tensor.n_bytes > size:
@@ -131,9 +137,12 @@ def dequantize_tensor(tensor) -> np.ndarray:
 
 
 def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter interleaves rotary halves of q/k rows for the llama architecture; undo that."""
+    """llama.cpp's converter interleaves rotary halves of q/k rows for the llama architecture; undo that.
+
+    Its permute views each head's rows as [2, D/2] and swaps to [D/2, 2]; the inverse views them as [D/2, 2].
+    """
     rows = weight.shape[0]
-    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:

@@ -65,9 +65,10 @@ class KVCache:
     def truncate(self, length: int, batch_index: int | None = None) -> None:
         """Chain rollback: forget every slot at or after `length` (O(1): the data stays, to be overwritten)."""
         targets = range(self.batch_size) if batch_index is None else (batch_index,)
+        for b in targets:  # check every target first, so a failed call changes nothing
+            if not 0 <= length <= self.lengths[b]:
+                raise ValueError(f"cannot truncate sequence {b} from {self.lengths[b]} to {length} slots")
         for b in targets:
-            if length > self.lengths[b]:
-                raise ValueError(f"cannot truncate sequence {b} from {self.lengths[b]} up to {length} slots")
             self.lengths[b] = length
 
     def compact(self, keep_slots: torch.Tensor, start: int, batch_index: int = 0) -> None:
