@@ -1,0 +1,181 @@
+"""Speculative sampling is lossless: the emitted tokens follow the target's distribution, jointly over positions.
+
+Setup: a vocabulary of V=6 and a toy target and draft whose next-token logits depend on the position and the
+previous token (tables [position, previous token, V]), so both the acceptance at position 2 and the bonus token
+see a distribution conditioned on what was drafted before. Each trial runs one speculative step with K = 0, 1
+or 2 drafts (cycled, so the bonus token lands at position 1, 2 or 3) and records the first two emitted tokens.
+When the step emits only one token, the second comes straight from the target conditional: a later step's first
+token, whose law the first-token check covers. Truth: p(y1) p(y2 | y1), from the tables through
+logits_to_probs (checked against a slow reference in test_sampling.py).
+
+Check: Pearson chi-square on the V*V joint and on each marginal, against the alpha = 1e-4 critical value.
+Seeds are fixed, so a run is deterministic; the small alpha keeps the test from becoming flaky if torch ever
+changes its random streams. The same check must reject deliberately wrong rules (the teeth tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.verify import VerifyResult, verify
+
+
+V = 6
+NUM_TRIALS = 20_000
+MAX_DRAFTS = 2
+BOS = 0  # the "previous token" of position 0
+Z_ALPHA = 3.7190  # standard normal upper quantile for alpha = 1e-4
+
+SETTINGS = {
+    "temperature": SamplingParams(temperature=0.8),
+    "top_k": SamplingParams(temperature=1.0, top_k=3),
+    "top_p": SamplingParams(temperature=1.2, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.15),
+}
+
+StepFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator], VerifyResult]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # Thousands of calls on tiny tensors: CPU softmax opens an OpenMP region on every call, and on a busy
+    # machine waking the second thread costs far more than the work (measured: 1.2 s vs 96 s for 10k trials).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    positions = MAX_DRAFTS + 1  # rows for output positions 0..K (the last one is the bonus row)
+    target = 1.5 * torch.randn(positions, V, V, generator=g)  # [T, prev, V]
+    # Correlated with the target, as a real draft model is: acceptances and rejections both happen often.
+    draft = target + 1.5 * torch.randn(positions, V, V, generator=g)  # [T, prev, V]
+    return target, draft
+
+
+def _chi_square_critical(df: int) -> float:
+    # Wilson-Hilferty approximation of the chi-square quantile: within 1% of the exact value for df >= 3 and
+    # slightly above it for smaller df (checked against scipy), i.e. never laxer than alpha = 1e-4.
+    c = 2 / (9 * df)
+    return df * (1 - c + Z_ALPHA * math.sqrt(c)) ** 3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """counts [C], probs [C] -> (statistic, critical value). An outcome of probability 0 gives inf."""
+    counts = counts.double()  # [C]
+    expected = probs.double() * counts.sum()  # [C]
+    if counts[expected == 0].sum() > 0:
+        return math.inf, 0.0  # e.g. a token outside top-k was emitted: no sampling noise explains that
+    # Pool cells with expected count < 5 into one bin so the chi-square approximation holds.
+    small = (expected > 0) & (expected < 5)  # [C]
+    observed = torch.cat([counts[expected >= 5], counts[small].sum().reshape(1)])  # [B]
+    expected = torch.cat([expected[expected >= 5], expected[small].sum().reshape(1)])  # [B]
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return statistic, _chi_square_critical(len(expected) - 1)
+
+
+def _emit_two_tokens(
+    step: StepFn, params: SamplingParams, deterministic: bool, pass_probs: bool, seed: int, n: int = NUM_TRIALS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run n speculative steps; return (first two emitted tokens [N, 2], true joint [V, V])."""
+    target_logits, draft_logits = _tables(seed)  # [T, prev, V] each
+    p_table = logits_to_probs(target_logits, params)  # [T, prev, V]
+    q_table = logits_to_probs(draft_logits, params)  # [T, prev, V]
+    g = torch.Generator().manual_seed(seed)
+
+    # Drafts for all trials at once, position by position, each conditioned on the previous draft.
+    prev = torch.full((n,), BOS)  # [N]
+    drafts = []
+    for position in range(MAX_DRAFTS):
+        q_rows = q_table[position, prev]  # [N, V]
+        token = q_rows.argmax(dim=-1) if deterministic else sample(q_rows, g)  # [N]
+        drafts.append(token)
+        prev = token
+    draft_tokens = torch.stack(drafts, dim=1)  # [N, K_max]
+    context = torch.cat([torch.full((n, 1), BOS), draft_tokens], dim=1)  # [N, K_max+1] previous token per row
+    rows = torch.arange(MAX_DRAFTS + 1)  # [K_max+1]
+    target_rows = target_logits[rows, context]  # [N, K_max+1, V]
+    draft_rows = q_table[rows[:-1], context[:, :-1]]  # [N, K_max, V]
+
+    outputs = []
+    with torch.inference_mode():
+        for i in range(n):
+            k = i % (MAX_DRAFTS + 1)
+            probs = draft_rows[i, :k] if pass_probs else None
+            tokens = step(draft_tokens[i, :k], probs, target_rows[i, : k + 1], params, g).tokens
+            outputs.append(tokens[:2] if len(tokens) > 1 else [tokens[0], -1])  # -1: left for a later step
+    emitted = torch.tensor(outputs)  # [N, 2]
+    later = emitted[:, 1] < 0  # [N]
+    emitted[later, 1] = sample(p_table[1, emitted[later, 0]], g)
+
+    joint = p_table[0, BOS].double()[:, None] * p_table[1].double()  # [V, V]: p(y1) p(y2 | y1)
+    return emitted, joint
+
+
+def _assert_matches(emitted: torch.Tensor, joint: torch.Tensor) -> None:
+    """emitted [N, 2], joint [V, V]: chi-square on the joint and on both marginals, each at alpha = 1e-4."""
+    pair_counts = torch.bincount(emitted[:, 0] * V + emitted[:, 1], minlength=V * V).view(V, V)  # [V, V]
+    checks = {
+        "joint (y1, y2)": (pair_counts.flatten(), joint.flatten()),
+        "marginal y1": (pair_counts.sum(1), joint.sum(1)),
+        "marginal y2": (pair_counts.sum(0), joint.sum(0)),
+    }
+    for name, (counts, probs) in checks.items():
+        statistic, critical = _chi_square(counts, probs)
+        assert statistic < critical, f"{name}: chi-square {statistic:.1f} >= critical {critical:.1f}"
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+def test_speculative_output_follows_target_distribution(setting: str, drafts: str) -> None:
+    deterministic = drafts == "deterministic"
+    emitted, joint = _emit_two_tokens(
+        verify, SETTINGS[setting], deterministic=deterministic, pass_probs=not deterministic, seed=7
+    )
+    _assert_matches(emitted, joint)
+
+
+def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, params, generator) -> VerifyResult:
+    """Wrong: accepts iff p(x) >= q(x), with no coin flip, so drafts the draft over-weights never survive."""
+    p = logits_to_probs(target_logits, params)  # [K+1, V]
+    positions = torch.arange(draft_tokens.numel())  # [K]
+    accepted_mask = (p[positions, draft_tokens] >= draft_probs[positions, draft_tokens]).tolist()  # [K]
+    count = accepted_mask.index(False) if False in accepted_mask else len(accepted_mask)
+    residual = (p[count] - draft_probs[count]).clamp_min(0) if count < len(accepted_mask) else p[count]  # [V]
+    return VerifyResult(draft_tokens[:count], int(sample(residual, generator)))
+
+
+@pytest.mark.parametrize(
+    "name, step, deterministic",
+    [
+        ("accept iff p(x) >= q(x)", _accept_when_target_likes_it_more, False),
+        # The misuse verify() warns about: argmax drafts judged against the softmax they were not drawn from.
+        ("argmax drafts with softmax q", verify, True),
+    ],
+)
+def test_check_rejects_wrong_rules(name: str, step: StepFn, deterministic: bool) -> None:
+    # A quarter of the trials, to save time, and a harder test of the check for it: against a fixed wrong
+    # distribution the statistic grows linearly with the sample size while the critical value stays put, so
+    # a rule caught here is caught at NUM_TRIALS by about four times the margin (these fail by 8x or more).
+    emitted, joint = _emit_two_tokens(
+        step, SETTINGS["temperature"], deterministic=deterministic, pass_probs=True, seed=7, n=NUM_TRIALS // 4
+    )
+    with pytest.raises(AssertionError, match="chi-square"):
+        _assert_matches(emitted, joint)
+
+
+def test_distribution_check_is_deterministic_under_a_seed() -> None:
+    params = SETTINGS["top_p"]
+    first, _ = _emit_two_tokens(verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
+    second, _ = _emit_two_tokens(verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
+    assert torch.equal(first, second)
