@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import convert_gguf
 from specdecode.models.model_config import ModelConfig
+from specdecode.models.packed_linear import can_pack, pack_linears
 from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
 from specdecode.tokenizer import Tokenizer
@@ -123,6 +124,8 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.setup_rope(rope_factors)
+    if can_pack(model):
+        pack_linears(model)
     return model.eval()
 
 
