@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="ngram,draft,ngram+draft",
                        help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length; "
                        "plain decoding (none) always runs as the baseline")
-    bench.add_argument("--peer", action="append", default=[], choices=["hf"],
-                       help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation")
+    bench.add_argument("--peer", action="append", default=[],
+                       help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation on the same "
+                       "weights; openai=URL[,name=LABEL]: any OpenAI-compatible server (llama-server, vLLM, ours); "
+                       "repeatable")
     bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
     bench.add_argument("--out", help="folder for results.json, report.md and plots")
     add_model_args(bench)

@@ -11,7 +11,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specdecode.bench.datasets import Question, load_questions
+from specdecode.bench.divergence import NEAR_TIE_GAP, top2_gap
 from specdecode.bench.metrics import by_category, summarize
+from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, engine_turn_runner, run_question
 from specdecode.cli import sampling_from_args
@@ -59,10 +61,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if "hf" in args.peer:
         from specdecode.bench.hf_peer import HFPeer
 
-        peer = HFPeer(target, draft)
-        for method in peer.methods():
+        hf_peer = HFPeer(target, draft)
+        for method in hf_peer.methods():
             methods.append(method)
-            factories[method.name] = lambda s, name=method.name: peer.turn_runner(name, s)
+            factories[method.name] = lambda s, name=method.name: hf_peer.turn_runner(name, s)
+    for peer in (OpenAIPeer.connect(text) for text in args.peer if text != "hf"):
+        if peer is not None:
+            methods.extend(peer.methods())
+            factories[peer.methods()[0].name] = peer.turn_runner
 
     # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed.
     warm_sampling = replace(sampling, max_tokens=min(8, sampling.max_tokens))
@@ -87,6 +93,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if method.family != "specdecode":
             ours = summarize(raw[method.name], raw["none"])
             summaries[method.name]["speedup_vs_ours_plain"] = ours["speedup"]
+    explain_divergences(engine, questions, methods, summaries, raw)
     print(table(summaries))
     if args.out:
         setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
@@ -96,3 +103,18 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
     print(json.dumps({name: {key: s.get(key) for key in HEADLINE} for name, s in summaries.items()}))
     return 0
+
+
+def explain_divergences(engine: Engine, questions: list[Question], methods: list[MethodSpec],
+                        summaries: dict[str, dict], raw: dict[str, list[list[QuestionResult]]]) -> None:
+    """For each of our methods' divergences from plain decoding, record the target's top-2 gap there."""
+    by_id = {q.question_id: q for q in questions}
+    reference = {r.question_id: r.token_ids for r in raw["none"][0]}
+    for method in methods:
+        if method.family != "specdecode":
+            continue
+        explained = {}
+        for qid, position in summaries[method.name]["divergences"].items():
+            gap = top2_gap(engine, by_id[qid], reference[qid], position)
+            explained[qid] = {"position": position, "top2_gap": round(gap, 4), "near_tie": gap <= NEAR_TIE_GAP}
+        summaries[method.name]["divergences"] = explained

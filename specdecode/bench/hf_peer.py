@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.bench.runner import MethodSpec, TurnRunner
+from specdecode.bench.runner import MethodSpec, TurnOutput, TurnRunner
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import LoadedModel
@@ -49,13 +49,13 @@ class HFPeer:
         tokenizer = self.target.tokenizer
         eos = sorted(tokenizer.eos_token_ids)
 
-        def run_turn(messages: list[dict]) -> tuple[str, list[int], None]:
+        def run_turn(messages: list[dict]) -> TurnOutput:
             prompt = torch.tensor([tokenizer.encode_chat(messages)])  # [1, P]
             with torch.inference_mode():
                 output = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                              max_new_tokens=sampling.max_tokens, eos_token_id=eos,
                                              pad_token_id=eos[0], **options)  # [1, P+N]
             ids = output[0, prompt.shape[1]:].tolist()
-            return tokenizer.decode(ids), ids, None
+            return TurnOutput(tokenizer.decode(ids), len(ids), ids)
 
         return run_turn

@@ -54,13 +54,17 @@ def first_divergence(ids: list[list[int]], reference: list[list[int]]) -> int | 
     return None if len(flat) == len(ref) else min(len(flat), len(ref))
 
 
-def identical_rate(results: list[QuestionResult], baseline: list[QuestionResult]) -> tuple[float, dict[str, int]]:
-    """Share of questions whose ids equal the baseline's, and the first diverging position of the others."""
-    reference = {r.question_id: r.token_ids for r in completed(baseline)}
+def identical_rate(results: list[QuestionResult], baseline: list[QuestionResult]
+                   ) -> tuple[float | None, dict[str, int]]:
+    """Share of questions whose ids equal the baseline's, and the first diverging position of the others.
+
+    None when there are no ids to compare (a text-only peer).
+    """
+    reference = {r.question_id: r.token_ids for r in completed(baseline) if r.token_ids is not None}
     pairs = [(r.question_id, first_divergence(r.token_ids, reference[r.question_id]))
-             for r in completed(results) if r.question_id in reference]
+             for r in completed(results) if r.token_ids is not None and r.question_id in reference]
     if not pairs:
-        return 0.0, {}
+        return None, {}
     divergences = {qid: pos for qid, pos in pairs if pos is not None}
     return 1 - len(divergences) / len(pairs), divergences
 
@@ -78,8 +82,13 @@ def summarize(runs: list[list[QuestionResult]], baseline_runs: list[list[Questio
         "questions": len(completed(runs[0])),
         "errors": sum(1 for r in runs[0] if r.error is not None),
     }
+    streamed = [turn for run in runs for r in completed(run) for turn in r.extra]
+    for key in ("time_to_first_token", "streaming_tokens_per_second"):
+        values = [turn[key] for turn in streamed if turn.get(key) is not None]
+        if values:
+            summary[key] = round(statistics.fmean(values), 4)
     rate, divergences = identical_rate(runs[0], baseline_runs[0])
-    summary["identical_rate"] = round(rate, 4)
+    summary["identical_rate"] = round(rate, 4) if rate is not None else None
     summary["divergences"] = divergences
     if stats_parts:
         total = combine(stats_parts, stats_parts[0].method)

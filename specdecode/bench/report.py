@@ -95,20 +95,20 @@ def plot_speedup(path: Path, summaries: dict[str, dict], categories: dict[str, d
 
     names = list(categories)
     groups = list(categories[names[0]]) + ["overall"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(names)) / 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(groups) * max(1, len(names)) / 3), 5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [categories[name][g]["speedup"] for g in groups[:-1]] + [summaries[name]["speedup"]]
         xs = [g + i * width for g in range(len(groups))]
-        ax.bar(xs, values, width, label=name)
+        ax.bar(xs, values, width, label=name, color=_color(i))
         ceiling = summaries[name].get("ceiling_speedup")
         if ceiling and summaries[name].get("acceptance_rate") is not None and name != "none":
             ax.plot([xs[-1] - width / 2, xs[-1] + width / 2], [ceiling, ceiling], color="black", linewidth=2)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups)
-    ax.set_ylabel("speedup over plain decoding (x)")
-    ax.set_title("Speedup by category (black bar: theoretical ceiling from measured acceptance)")
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_ylabel("speedup over own plain decoding (x)")
+    ax.set_title("Speedup by category (black bar: theoretical ceiling from measured acceptance)", fontsize=10)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -121,16 +121,23 @@ def plot_acceptance(path: Path, summaries: dict[str, dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, summary in summaries.items():
+    for i, (name, summary) in enumerate(summaries.items()):
         rates = summary.get("acceptance_per_position") or []
         if rates:
-            ax.plot(range(1, len(rates) + 1), [100 * r for r in rates], marker="o", label=name)
+            ax.plot(range(1, len(rates) + 1), [100 * r for r in rates], marker="o", label=name, color=_color(i))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (%)")
     ax.set_ylim(0, 105)
-    ax.set_title("Acceptance by draft position")
+    ax.set_title("Acceptance by draft position (accepted / drafted at that position)", fontsize=10)
     if ax.lines:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _color(index: int):
+    """The same method keeps the same colour in every plot."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab10"](index % 10)

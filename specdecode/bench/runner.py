@@ -9,10 +9,22 @@ from time import perf_counter
 from specdecode.bench.datasets import Question
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
+from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats, combine
 
-# One turn of a conversation: messages so far -> (answer text, answer token ids, stats or None for peers).
-TurnRunner = Callable[[list[dict]], tuple[str, list[int], GenerationStats | None]]
+
+
+@dataclass
+class TurnOutput:
+    text: str
+    new_tokens: int
+    token_ids: list[int] | None = None  # None where a peer's API returns text only
+    stats: GenerationStats | None = None  # ours only: what the engine measured
+    extra: dict = field(default_factory=dict)  # peer-reported or peer-measured details (ttft, server timings)
+
+
+# One turn of a conversation: messages so far -> the answer.
+TurnRunner = Callable[[list[dict]], TurnOutput]
 
 
 @dataclass
@@ -21,9 +33,10 @@ class QuestionResult:
     category: str
     new_tokens: int = 0
     seconds: float = 0.0  # wall time over all turns, prefill included
-    token_ids: list[list[int]] = field(default_factory=list)  # per turn
+    token_ids: list[list[int]] | None = field(default_factory=list)  # per turn; None for text-only peers
     stats: GenerationStats | None = None  # ours only: what the engine measured
-    error: str | None = None  # a peer that failed on this question; the run goes on
+    error: str | None = None  # what failed on this question; the run goes on
+    extra: list[dict] = field(default_factory=list)  # per turn
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,21 +61,29 @@ def run_question(question: Question, run_turn: TurnRunner) -> QuestionResult:
     for turn in question.turns:
         messages.append({"role": "user", "content": turn})
         started = perf_counter()
-        text, ids, stats = run_turn(messages)
+        try:
+            output = run_turn(messages)
+        except SpecDecodeError as error:
+            result.error = str(error)
+            return result
         result.seconds += perf_counter() - started
-        result.new_tokens += len(ids)
-        result.token_ids.append(ids)
-        messages.append({"role": "assistant", "content": text})
-        if stats is not None:
-            turn_stats.append(stats)
+        result.new_tokens += output.new_tokens
+        result.extra.append(output.extra)
+        if output.token_ids is None:
+            result.token_ids = None
+        elif result.token_ids is not None:
+            result.token_ids.append(output.token_ids)
+        messages.append({"role": "assistant", "content": output.text})
+        if output.stats is not None:
+            turn_stats.append(output.stats)
     if turn_stats:
         result.stats = combine(turn_stats, turn_stats[0].method)
     return result
 
 
 def engine_turn_runner(engine: Engine, spec: SpecConfig, sampling: SamplingParams) -> TurnRunner:
-    def run_turn(messages: list[dict]) -> tuple[str, list[int], GenerationStats]:
+    def run_turn(messages: list[dict]) -> TurnOutput:
         outcome = engine.complete(messages, sampling, spec)
-        return outcome.text, outcome.token_ids, outcome.stats
+        return TurnOutput(outcome.text, len(outcome.token_ids), outcome.token_ids, outcome.stats)
 
     return run_turn

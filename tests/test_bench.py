@@ -1,0 +1,188 @@
+"""The benchmark: metric definitions against hand-computed numbers, and an end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import save_tiny_model
+
+from specdecode.bench.datasets import load_questions
+from specdecode.bench.metrics import (ceiling_speedup, first_divergence, identical_rate, mean_tokens_per_second,
+                                      speedup)
+from specdecode.bench.runner import QuestionResult
+from specdecode.cli import main
+from specdecode.errors import SpecDecodeError
+
+
+def result(qid: str, tokens: int, seconds: float, ids=None, error=None) -> QuestionResult:
+    return QuestionResult(qid, "c", tokens, seconds, ids or [[1, 2, 3]], None, error)
+
+
+def test_tokens_per_second_is_mean_of_per_question_rates():
+    # 100 tokens in 10 s and 10 tokens in 0.5 s: per-question rates 10 and 20 -> mean 15 (not 110/10.5).
+    assert mean_tokens_per_second([result("a", 100, 10.0), result("b", 10, 0.5)]) == pytest.approx(15.0)
+
+
+def test_speedup_is_a_ratio_of_means_and_skips_failed_questions():
+    method = [result("a", 100, 5.0), result("b", 10, 0.25), result("c", 1, 0.0, error="peer failed")]
+    baseline = [result("a", 100, 10.0), result("b", 10, 0.5)]
+    # means: (20 + 40) / 2 = 30 over (10 + 20) / 2 = 15.
+    assert speedup(method, baseline) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(("alpha", "k", "c", "expected"), [
+    (0.8, 3, 0.0, (1 - 0.8**4) / 0.2),  # free drafts: expected tokens per forward, 2.952
+    (0.8, 3, 0.1, (1 - 0.8**4) / 0.2 / 1.3),
+    (1.0, 4, 0.5, 5 / 3),  # everything accepted: k+1 tokens for k*c+1 forwards' worth of time
+    (0.0, 3, 0.2, 1 / 1.6),  # nothing accepted: pure overhead
+    (0.5, 0, 0.3, 1.0),  # no drafting
+])
+def test_ceiling_formula(alpha, k, c, expected):
+    assert ceiling_speedup(alpha, k, c) == pytest.approx(expected)
+
+
+def test_identical_rate_and_first_divergence():
+    baseline = [result("a", 3, 1, [[1, 2, 3]]), result("b", 4, 1, [[1, 2], [3, 4]])]
+    method = [result("a", 3, 1, [[1, 2, 3]]), result("b", 4, 1, [[1, 2], [3, 9]])]
+    rate, divergences = identical_rate(method, baseline)
+    assert rate == 0.5 and divergences == {"b": 3}  # position counted across turns
+    assert first_divergence([[1, 2]], [[1, 2, 3]]) == 2  # a shorter output diverges where it ends
+
+
+def test_dataset_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n{"question_id": 2, "turns": "oops"}\n')
+    with pytest.raises(SpecDecodeError, match=r"q.jsonl:2: not a Spec-Bench question"):
+        load_questions([str(bad)])
+    with pytest.raises(SpecDecodeError, match="dataset file not found"):
+        load_questions([str(tmp_path / "missing.jsonl")])
+    good = tmp_path / "g.jsonl"
+    good.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n')
+    with pytest.raises(SpecDecodeError, match="no questions in categories nope"):
+        load_questions([str(good)], categories=["nope"])
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = save_tiny_model(root / "target", "qwen2", scale=0.15)
+    draft = save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01)
+    questions = root / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "writing", "turns": ["hello hello", "again please"]},
+        {"question_id": 2, "category": "coding", "turns": ["abcabcabc"]},
+        {"question_id": 3, "category": "coding", "turns": ["1 2 3 1 2 3"]},
+    ]) + "\n")
+    return str(target), str(draft), str(questions)
+
+
+def test_end_to_end_bench_writes_every_file(tiny_pair, tmp_path, capsys):
+    target, draft, questions = tiny_pair
+    out = tmp_path / "out"
+    code = main(["bench", "--dataset", questions, "--model", target, "--draft-model", draft, "--dtype", "float32",
+                 "--max-tokens", "16", "--methods", "draft,ngram,ngram+draft:k=5", "--peer", "hf",
+                 "--repeats", "2", "--out", str(out)])
+    assert code == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last) == {"none", "draft", "ngram", "ngram+draft:k=5", "hf:plain", "hf:assisted", "hf:prompt-lookup"}
+    for summary in last.values():
+        assert set(summary) == {"tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate",
+                                "identical_rate", "ceiling_speedup"}
+    assert last["none"]["speedup"] == 1.0 and last["none"]["mean_accepted_length"] == 1.0
+    assert all(last[m]["identical_rate"] == 1.0 for m in ("draft", "ngram", "ngram+draft:k=5"))
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["questions"]["draft"]) == 2 and len(results["questions"]["draft"][0]) == 3
+    assert len(results["questions"]["draft"][0][0]["token_ids"]) == 2  # two turns
+    assert set(results["by_category"]["ngram"]) == {"writing", "coding"}
+    assert "speedup_vs_ours_plain" in results["summary"]["hf:assisted"]
+    report = (out / "report.md").read_text()
+    assert "| ngram+draft:k=5 |" in report and "Definitions" in report
+    for plot in ("speedup_by_category.png", "acceptance_by_position.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--methods", "warp"], "unknown speculative method 'warp'"),
+    (["--methods", "ngram:q=1"], "bad method option 'q=1'"),
+    (["--categories", "poetry"], "no questions in categories poetry"),
+])
+def test_bench_bad_input_is_one_clear_error(tiny_pair, capsys, extra, message):
+    target, _, questions = tiny_pair
+    code = main(["bench", "--dataset", questions, "--model", target, "--dtype", "float32", "--max-tokens", "4",
+                 *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+class _StreamingChatServer:
+    """A loopback server speaking the streaming chat-completions protocol; fails every request after `ok`."""
+
+    def __init__(self, ok: int):
+        import http.server
+        import threading
+
+        state = {"served": 0}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def do_GET(self):
+                self._send(200, "application/json", json.dumps({"data": [{"id": "tiny"}]}).encode())
+
+            def do_POST(self):
+                json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                state["served"] += 1
+                if state["served"] > ok:
+                    self._send(500, "application/json", b'{"error": {"message": "boom"}}')
+                    return
+                chunks = [{"choices": [{"delta": {"content": word}}]} for word in ("one ", "two ", "three")]
+                chunks.append({"choices": [], "usage": {"completion_tokens": 3},
+                               "timings": {"draft_n": 4, "draft_n_accepted": 3}})
+                body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+                self._send(200, "text/event-stream", body.encode())
+
+            def _send(self, code, kind, body):
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_openai_peer_streams_and_records_failures_per_question(tiny_pair, tmp_path, capsys):
+    target, _, questions = tiny_pair
+    # Warm-up takes one request and the 3 questions need 4 turns: the 5th request (question 3) fails.
+    server = _StreamingChatServer(ok=4)
+    try:
+        code = main(["bench", "--dataset", questions, "--model", target, "--dtype", "float32", "--max-tokens", "8",
+                     "--methods", "ngram", "--peer", f"openai={server.url},name=fake", "--out", str(tmp_path)])
+    finally:
+        server.close()
+    assert code == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "openai:fake" in last and last["openai:fake"]["identical_rate"] is None  # text-only API
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = results["questions"]["openai:fake"][0]
+    assert [r["error"] is None for r in runs] == [True, True, False] and "500" in runs[2]["error"]
+    assert runs[0]["new_tokens"] == 6 and runs[0]["extra"][0]["timings"]["draft_n_accepted"] == 3
+    assert results["summary"]["openai:fake"]["errors"] == 1
+    assert results["summary"]["openai:fake"]["time_to_first_token"] >= 0
+
+
+def test_unreachable_peer_is_skipped_and_the_rest_reported(tiny_pair, capsys, caplog):
+    target, _, questions = tiny_pair
+    code = main(["bench", "--dataset", questions, "--model", target, "--dtype", "float32", "--max-tokens", "4",
+                 "--methods", "ngram", "--peer", "openai=http://127.0.0.1:9,name=gone"])
+    out = capsys.readouterr().out
+    assert code == 0 and "unreachable" in caplog.text
+    last = json.loads(out.strip().splitlines()[-1])
+    assert set(last) == {"none", "ngram"}
