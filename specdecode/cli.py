@@ -25,8 +25,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--spec-type", help="none, draft, ngram, or a fallback chain such as ngram,draft "
-                       "(default: ngram,draft with a draft model, else ngram)")
-    group.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per step (default 3)")
+                       "(default: ngram,draft with a draft model, else ngram); llama.cpp's ngram-simple maps to ngram")
+    group.add_argument("--num-draft-tokens", "--draft-max", type=int, default=3,
+                       help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
     group.add_argument("--draft-p-min", type=float, default=0.0,
                        help="stop model drafting when the draft's top probability is below this (default 0 = off)")
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
     add_spec_args(bench)
     add_sampling_args(bench)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
+    add_model_args(serve)
+    add_spec_args(serve)
+    from specdecode.server.serve_command import add_serve_args
+
+    add_serve_args(serve)
     return parser
 
 
@@ -88,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return list_models()
+        if args.command == "serve":
+            from specdecode.server.serve_command import run_serve
+
+            return run_serve(args)
         if args.command == "bench":
             from specdecode.bench.command import run_bench
 

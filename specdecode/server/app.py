@@ -1,0 +1,208 @@
+"""The FastAPI app: OpenAI-compatible routes over the scheduler, with OpenAI's error bodies for every 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.engine import Engine, GenerationEvent
+from specdecode.errors import SpecDecodeError
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdecode.server.responses import ResponseShape
+from specdecode.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    spec: SpecConfig
+    api_key: str | None = None
+    default_max_tokens: int = 256
+    max_active: int = 8
+    max_queued: int = 64
+    request_timeout: float = 600.0
+    max_body_bytes: int = 1 << 20
+    shutdown_grace: float = 10.0
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    scheduler = Scheduler(engine, settings.max_active, settings.max_queued)
+    metrics = ServerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.shutdown, settings.shutdown_grace)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.get("/health")
+    async def health() -> dict:
+        active, queued = scheduler.load
+        return {"status": "draining" if scheduler.draining else "ok", "active": active, "queued": queued}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(*scheduler.load), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request, settings)
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdecode"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve_generation(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve_generation(request, ChatCompletionRequest, chat=True)
+
+    async def serve_generation(request: Request, schema, chat: bool):
+        authorize(request, settings)
+        body = await read_body(request, schema, settings.max_body_bytes)
+        job = build_job(engine, settings, body, chat)
+        try:
+            scheduler.submit(job)
+        except QueueFull as error:
+            raise APIError(429, f"server busy: {error}; retry shortly", "rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        except ShuttingDown as error:
+            raise APIError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
+        shape = ResponseShape(chat, settings.model_name)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = stream_events(job, shape, include_usage, metrics, request.url.path)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await collect(job, shape, metrics, request)
+
+    return app
+
+
+def authorize(request: Request, settings: ServerSettings) -> None:
+    if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+        raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+
+async def read_body(request: Request, schema, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    try:
+        return schema.model_validate(json.loads(raw))
+    except json.JSONDecodeError as error:
+        raise APIError(400, f"malformed JSON body: {error}") from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
+    if body.model and body.model != settings.model_name:
+        raise APIError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
+                       param="model", code="model_not_found")
+    if body.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens or settings.default_max_tokens
+    if max_tokens > engine.context_limit:
+        raise APIError(400, f"max_tokens {max_tokens} is above the context limit of {engine.context_limit}",
+                       param="max_tokens")
+    try:
+        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                  min_p=body.min_p, max_tokens=max_tokens, seed=body.seed,
+                                  stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+        spec = settings.spec
+        if body.speculative is not None:
+            overrides = {k: v for k, v in (("method", body.speculative.method),
+                                           ("num_draft_tokens", body.speculative.num_draft_tokens)) if v is not None}
+            spec = replace(spec, **overrides)
+            engine.check_spec(spec)
+        prompt = [m.model_dump() for m in body.messages] if chat else body.prompt
+        prompt_ids = engine.encode(prompt, raw=not chat)
+    except SpecDecodeError as error:
+        raise APIError(400, str(error)) from None
+    return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop())
+
+
+async def next_event(job: Job) -> GenerationEvent:
+    item = await job.events.get()
+    if isinstance(item, SpecDecodeError):
+        raise APIError(408 if "timed out" in str(item) else 503, str(item), "server_error")
+    if isinstance(item, Exception):
+        raise APIError(500, f"internal error: {item}", "server_error")
+    if item is None:
+        raise APIError(500, "generation ended without a result", "server_error")
+    return item
+
+
+async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict:
+    text, first_token_at = [], None
+    try:
+        while True:
+            waiter = asyncio.ensure_future(next_event(job))
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=0.5)
+                if not waiter.done() and await request.is_disconnected():
+                    waiter.cancel()
+                    raise asyncio.CancelledError
+            event = waiter.result()
+            first_token_at = first_token_at or time.monotonic()
+            text.append(event.text)
+            if event.finish_reason is not None:
+                break
+    finally:
+        job.cancelled.set()  # a no-op when finished; frees the worker's state when the client left
+    metrics.record_generation(event.stats, first_token_at - job.submitted, time.monotonic() - job.submitted)
+    metrics.requests.labels(request.url.path, "200").inc()
+    return shape.full("".join(text), event.finish_reason, event.stats)
+
+
+async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, metrics: ServerMetrics,
+                        path: str) -> AsyncIterator[str]:
+    first_token_at = None
+    try:
+        first = True
+        while True:
+            try:
+                event = await next_event(job)
+            except APIError as error:
+                # Headers are gone; the error travels in the stream, then the stream ends as usual.
+                metrics.requests.labels(path, str(error.status)).inc()
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
+            first_token_at = first_token_at or time.monotonic()
+            if event.text or first or event.finish_reason:
+                yield f"data: {json.dumps(shape.chunk(event.text, event.finish_reason, first))}\n\n"
+                first = False
+            if event.finish_reason is not None:
+                metrics.record_generation(event.stats, first_token_at - job.submitted,
+                                          time.monotonic() - job.submitted)
+                metrics.requests.labels(path, "200").inc()
+                if include_usage:
+                    yield f"data: {json.dumps(shape.usage_chunk(event.stats))}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # client disconnects land here too (the generator is closed)

@@ -1,0 +1,51 @@
+"""Prometheus metrics for the server, in a registry of its own (several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specdecode.stats import GenerationStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specdecode_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=self.registry)
+        self.drafted = Counter("specdecode_spec_drafted_tokens", "Draft tokens proposed", registry=self.registry)
+        self.accepted = Counter("specdecode_spec_accepted_tokens", "Draft tokens accepted", registry=self.registry)
+        self.accepted_per_position = Counter("specdecode_spec_accepted_per_position",
+                                             "Draft tokens accepted at each draft position (0-based)",
+                                             ["position"], registry=self.registry)
+        self.drafted_per_position = Counter("specdecode_spec_drafted_per_position",
+                                            "Draft tokens proposed at each draft position (0-based)",
+                                            ["position"], registry=self.registry)
+        self.time_to_first_token = Histogram("specdecode_time_to_first_token_seconds",
+                                             "From request arrival to the first generated token",
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram("specdecode_time_per_output_token_seconds",
+                                               "Mean time per generated token after the first, per request",
+                                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.active = Gauge("specdecode_active_requests", "Requests being generated", registry=self.registry)
+        self.queued = Gauge("specdecode_queued_requests", "Requests waiting for a slot", registry=self.registry)
+
+    def record_generation(self, stats: GenerationStats, ttft: float, total: float) -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        for position, (drafted, accepted) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
+            self.drafted_per_position.labels(str(position)).inc(drafted)
+            self.accepted_per_position.labels(str(position)).inc(accepted)
+        self.time_to_first_token.observe(ttft)
+        if stats.new_tokens > 1:
+            self.time_per_output_token.observe((total - ttft) / (stats.new_tokens - 1))
+
+    def render(self, active: int, queued: int) -> bytes:
+        self.active.set(active)
+        self.queued.set(queued)
+        return generate_latest(self.registry)
