@@ -186,3 +186,36 @@ def test_unreachable_peer_is_skipped_and_the_rest_reported(tiny_pair, capsys, ca
     assert code == 0 and "unreachable" in caplog.text
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last) == {"none", "ngram"}
+
+
+def test_humaneval_comes_from_the_package_in_specbench_wording():
+    questions = load_questions(["humaneval"], limit=3)
+    assert [q.question_id for q in questions] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert questions[0].category == "humaneval" and len(questions[0].turns) == 1
+    assert questions[0].turns[0].startswith("Complete the code I provided.from typing import List")
+
+
+def test_top2_gap_reads_the_target_at_the_diverging_token(tiny_pair):
+    import torch
+
+    from specdecode import Engine, SamplingParams, SpecConfig
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.divergence import top2_gap
+    from specdecode.models.loader import load_model
+
+    engine = Engine(load_model(tiny_pair[0], dtype="float32"))
+    question = Question("q", "c", ("hello", "again"))
+    first = engine.complete([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, ignore_eos=True),
+                            SpecConfig("none"))
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "again"}]
+    second = engine.complete(messages, SamplingParams(max_tokens=5, ignore_eos=True), SpecConfig("none"))
+    reference = [first.token_ids, second.token_ids]
+    # Position 7 is the third token of the second turn.
+    prefix = engine.encode(messages) + second.token_ids[:2]
+    with torch.inference_mode():
+        logits = engine.target.model(torch.tensor([prefix]), torch.arange(len(prefix)).unsqueeze(0),
+                                     engine.target.model.new_cache(len(prefix))).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert top2_gap(engine, question, reference, 7) == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+    assert logits.argmax().item() == second.token_ids[2]  # the reference's own greedy choice at that point

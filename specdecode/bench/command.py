@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +16,15 @@ from specdecode.bench.divergence import NEAR_TIE_GAP, top2_gap
 from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
-from specdecode.bench.runner import MethodSpec, QuestionResult, engine_turn_runner, run_question
+from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
 from specdecode.cli import sampling_from_args
-from specdecode.config import SpecConfig
+from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
+RunnerFactory = Callable[[SamplingParams], TurnRunner]
 HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate", "identical_rate",
             "ceiling_speedup")
 
@@ -56,43 +58,15 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = Engine(target, draft, context_limit=args.context)
     for method in methods:
         engine.check_spec(method.spec)
-    # method name -> (sampling -> turn runner), so the warm-up can use a short budget
-    factories = {m.name: (lambda s, spec=m.spec: engine_turn_runner(engine, spec, s)) for m in methods}
-    if "hf" in args.peer:
-        from specdecode.bench.hf_peer import HFPeer
+    factories = runner_factories(engine, methods, args.peer)
+    raw = run_all(questions, methods, factories, sampling, args.repeats)
 
-        hf_peer = HFPeer(target, draft)
-        for method in hf_peer.methods():
-            methods.append(method)
-            factories[method.name] = lambda s, name=method.name: hf_peer.turn_runner(name, s)
-    for peer in (OpenAIPeer.connect(text) for text in args.peer if text != "hf"):
-        if peer is not None:
-            methods.extend(peer.methods())
-            factories[peer.methods()[0].name] = peer.turn_runner
-
-    # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed.
-    warm_sampling = replace(sampling, max_tokens=min(8, sampling.max_tokens))
-    warm_question = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
-    for factory in factories.values():
-        run_question(warm_question, factory(warm_sampling))
-    runners = {name: factory(sampling) for name, factory in factories.items()}
-    raw: dict[str, list[list[QuestionResult]]] = {m.name: [] for m in methods}
-    with tqdm(total=len(methods) * len(questions) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
-        for _ in range(args.repeats):
-            for runs in raw.values():
-                runs.append([])
-            # Question-major order: every method meets the machine in the same state for the same prompt.
-            for question in questions:
-                for method in methods:
-                    raw[method.name][-1].append(run_question(question, runners[method.name]))
-                    bar.update()
     summaries, categories = {}, {}
     for method in methods:
         summaries[method.name] = summarize(raw[method.name], raw[method.baseline])
         categories[method.name] = by_category(raw[method.name], raw[method.baseline])
         if method.family != "specdecode":
-            ours = summarize(raw[method.name], raw["none"])
-            summaries[method.name]["speedup_vs_ours_plain"] = ours["speedup"]
+            summaries[method.name]["speedup_vs_ours_plain"] = summarize(raw[method.name], raw["none"])["speedup"]
     explain_divergences(engine, questions, methods, summaries, raw)
     print(table(summaries))
     if args.out:
@@ -103,6 +77,45 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
     print(json.dumps({name: {key: s.get(key) for key in HEADLINE} for name, s in summaries.items()}))
     return 0
+
+
+def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]) -> dict[str, RunnerFactory]:
+    """Method name -> (sampling -> turn runner); appends the peers' methods to `methods`."""
+    factories: dict[str, RunnerFactory] = {
+        m.name: (lambda s, spec=m.spec: engine_turn_runner(engine, spec, s)) for m in methods}
+    if "hf" in peers:
+        from specdecode.bench.hf_peer import HFPeer
+
+        hf_peer = HFPeer(engine.target, engine.draft)
+        for method in hf_peer.methods():
+            methods.append(method)
+            factories[method.name] = lambda s, name=method.name: hf_peer.turn_runner(name, s)
+    for peer in (OpenAIPeer.connect(text) for text in peers if text != "hf"):
+        if peer is not None:
+            methods.extend(peer.methods())
+            factories[peer.methods()[0].name] = peer.turn_runner
+    return factories
+
+
+def run_all(questions: list[Question], methods: list[MethodSpec], factories: dict[str, RunnerFactory],
+            sampling: SamplingParams, repeats: int) -> dict[str, list[list[QuestionResult]]]:
+    # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed.
+    warm_sampling = replace(sampling, max_tokens=min(8, sampling.max_tokens))
+    warm_question = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+    for factory in factories.values():
+        run_question(warm_question, factory(warm_sampling))
+    runners = {name: factory(sampling) for name, factory in factories.items()}
+    raw: dict[str, list[list[QuestionResult]]] = {m.name: [] for m in methods}
+    with tqdm(total=len(methods) * len(questions) * repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+        for _ in range(repeats):
+            for runs in raw.values():
+                runs.append([])
+            # Question-major order: every method meets the machine in the same state for the same prompt.
+            for question in questions:
+                for method in methods:
+                    raw[method.name][-1].append(run_question(question, runners[method.name]))
+                    bar.update()
+    return raw
 
 
 def explain_divergences(engine: Engine, questions: list[Question], methods: list[MethodSpec],
