@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import ancestor_mask
+
 from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import load_model
@@ -140,13 +142,8 @@ def test_compact_after_a_tree_forward_equals_the_accepted_chain(model):
     prompt = [5, 17, 42, 99, 3, 250]
     start = len(prompt)
     # root, branch A (a1, a2), branch B (b1, b2); B is accepted.
-    nodes, depths, parents = [10, 20, 30, 40, 50], [0, 1, 2, 1, 2], [-1, 0, 1, 0, 3]
-    tree = torch.zeros(1, 5, 5, dtype=torch.bool)
-    for node in range(5):
-        ancestor = node
-        while ancestor != -1:
-            tree[0, node, ancestor] = True
-            ancestor = parents[ancestor]
+    nodes, depths = [10, 20, 30, 40, 50], [0, 1, 2, 1, 2]
+    tree = ancestor_mask([-1, 0, 1, 0, 3])  # [1, 5, 5]
     cache = model.new_cache(32)
     forward(model, prompt, 0, cache)
     model(torch.tensor([nodes]), torch.tensor([depths]) + start, cache, attn_mask=tree)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, TINY_VOCAB, save_tiny_model
+from conftest import TINY_CONFIGS, TINY_VOCAB, ancestor_mask, save_tiny_model
 
 from specdecode.models.loader import load_model
 
@@ -145,13 +145,7 @@ def test_tree_mask_gives_each_branch_the_logits_of_its_chain(pair):
     r, a1, a2, b1, b2 = 10, 20, 30, 40, 50
     nodes = torch.tensor([[r, a1, a2, b1, b2]])
     positions = torch.tensor([[0, 1, 2, 1, 2]]) + prefix_len
-    parents = [-1, 0, 1, 0, 3]
-    tree = torch.zeros(1, 5, 5, dtype=torch.bool)  # [B, T, T]: a node sees itself and its ancestors
-    for node in range(5):
-        ancestor = node
-        while ancestor != -1:
-            tree[0, node, ancestor] = True
-            ancestor = parents[ancestor]
+    tree = ancestor_mask([-1, 0, 1, 0, 3])  # [B, T, T]: a node sees itself and its ancestors
     cache = ours.new_cache(64)
     run(ours, prefix, 0, cache)
     logits = ours(nodes, positions, cache, attn_mask=tree).logits  # [1, 5, V]

@@ -15,14 +15,7 @@ from specdecode.sampling import logits_to_probs
 from specdecode.verify import VerifyResult, greedy_accept, match_sample, rejection_sample, verify
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Thousands of calls on tiny tensors: CPU softmax opens an OpenMP region on every call, and on a busy
-    # machine waking the second thread costs far more than the work (measured: 1.2 s vs 96 s for 10k trials).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _reference_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:

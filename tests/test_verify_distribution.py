@@ -42,14 +42,7 @@ SETTINGS = {
 StepFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator], VerifyResult]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Thousands of calls on tiny tensors: CPU softmax opens an OpenMP region on every call, and on a busy
-    # machine waking the second thread costs far more than the work (measured: 1.2 s vs 96 s for 10k trials).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
