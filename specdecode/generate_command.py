@@ -23,8 +23,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if "draft" not in spec.methods:
         draft_name = None  # no need to load a model nobody drafts with
     quiet = args.quiet or args.json
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet=quiet)
-    draft = load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet=quiet) if draft_name else None
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
+    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet, args.draft_quant,
+                        args.group_size) if draft_name else None)
     engine = Engine(target, draft, spec, context_limit=args.context)
 
     token_ids: list[int] = []

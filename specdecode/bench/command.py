@@ -52,9 +52,11 @@ def run_bench(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     methods = parse_methods(args.methods, args)
     needs_draft = any("draft" in m.spec.methods for m in methods) or "hf" in args.peer
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device)
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quant=args.quant,
+                        group_size=args.group_size)
     draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
-    draft = load_model(draft_name, args.draft_dtype or args.dtype, args.device) if needs_draft and draft_name else None
+    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quant=args.draft_quant,
+                        group_size=args.group_size) if needs_draft and draft_name else None)
     engine = Engine(target, draft, context_limit=args.context)
     for method in methods:
         engine.check_spec(method.spec)

@@ -18,6 +18,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import convert_gguf
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
+from specdecode.models.quantized_linear import QUANT_MODES, quantize_linears
 from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
 from specdecode.tokenizer import Tokenizer
@@ -57,13 +58,18 @@ def _cpu_has_bf16() -> bool:
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               quiet: bool = False) -> LoadedModel:
-    """Load a default model name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors)."""
+               quiet: bool = False, quant: str = "none", group_size: int = 32) -> LoadedModel:
+    """Load a default model name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
+
+    quant: "none", "int8" (per-channel) or "int4" (group-wise, `group_size` inputs per group), weight-only.
+    """
     torch_dtype = resolve_dtype(dtype, device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    if quant not in QUANT_MODES:
+        raise SpecDecodeError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     folder = resolve_folder(str(name_or_path), torch_dtype, quiet)
-    model = load_folder(folder, torch_dtype, device)
+    model = load_folder(folder, torch_dtype, device, quant, group_size)
     tokenizer = Tokenizer.from_folder(folder, model.config)
     return LoadedModel(str(name_or_path), model, tokenizer, folder)
 
@@ -96,7 +102,8 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype, quiet: bool) -> Path:
     return convert_gguf(gguf_path, folder, dtype, quiet)
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
+def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "none",
+                group_size: int = 32) -> Transformer:
     try:
         hf_config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as error:
@@ -124,7 +131,9 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.setup_rope(rope_factors)
-    if can_pack(model):
+    if quant != "none":
+        quantize_linears(model, quant, group_size)
+    elif can_pack(model):
         pack_linears(model)
     return model.eval()
 

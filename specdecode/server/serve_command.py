@@ -51,9 +51,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         draft_name = named_draft or draft_name
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device)
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quant=args.quant,
+                        group_size=args.group_size)
     needs_draft = "draft" in spec.methods or args.allow_draft_override
-    draft = load_model(draft_name, args.draft_dtype or args.dtype, args.device) if draft_name and needs_draft else None
+    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quant=args.draft_quant,
+                        group_size=args.group_size) if draft_name and needs_draft else None)
     engine = Engine(target, draft, spec, context_limit=args.context)
     settings = ServerSettings(
         model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
