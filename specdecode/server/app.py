@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -47,6 +48,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.state.drain = lambda: scheduler.shutdown(settings.shutdown_grace)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -97,6 +99,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn runs the lifespan shutdown only after every connection has closed (or been cut at
+    timeout_graceful_shutdown), so the scheduler's drain would never reach an open stream. Drain first: in-flight
+    requests finish within the grace period or end with an error event and [DONE]; new ones get 503."""
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.config.app.state.drain)
+        await super().shutdown(sockets)
+
+
 def authorize(request: Request, settings: ServerSettings) -> None:
     if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
         raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
@@ -111,7 +123,7 @@ async def read_body(request: Request, schema, limit: int):
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
     try:
         return schema.model_validate(json.loads(raw))
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:  # bytes that are not UTF-8 are malformed too
         raise APIError(400, f"malformed JSON body: {error}") from None
     except ValidationError as error:
         first = error.errors()[0]
@@ -125,7 +137,9 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                        param="model", code="model_not_found")
     if body.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens or settings.default_max_tokens
+    # The server's default must not turn every request into an error on a small context; an asked-for value may.
+    max_tokens = ((body.max_completion_tokens if chat else None) or body.max_tokens
+                  or min(settings.default_max_tokens, engine.context_limit))
     if max_tokens > engine.context_limit:
         raise APIError(400, f"max_tokens {max_tokens} is above the context limit of {engine.context_limit}",
                        param="max_tokens")
@@ -141,6 +155,10 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
             engine.check_spec(spec)
         prompt = [m.model_dump() for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)
+        vocab_size = engine.target.config.vocab_size
+        if not chat and isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt_ids):
+            # Caught here: in the model it fails the request with a 500 on CPU and a device assert on CUDA.
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     except SpecDecodeError as error:
         raise APIError(400, str(error)) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop())

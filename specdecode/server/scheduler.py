@@ -86,6 +86,8 @@ class Scheduler:
             generator.close()
             job.send(SpecDecodeError("the server shut down before this request finished"))
         self.active.clear()
+        while not self.pending.empty():  # still queued when the grace ran out: answer them too, or they hang
+            self.pending.get_nowait().send(SpecDecodeError("the server shut down before this request started"))
 
     def _admit(self) -> None:
         while len(self.active) < self.max_active:

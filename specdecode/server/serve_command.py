@@ -42,7 +42,7 @@ def spec_from_vllm(config_json: str, base: SpecConfig) -> tuple[SpecConfig, str 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdecode.server.app import ServerSettings, create_app
+    from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
     if args.spec_type in LLAMA_CPP_SPEC_TYPES:
         args.spec_type = LLAMA_CPP_SPEC_TYPES[args.spec_type]
@@ -64,8 +64,9 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace)
     print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
+    config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
+    DrainingServer(config).run()
     return 0
 
 

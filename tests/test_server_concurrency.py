@@ -1,0 +1,205 @@
+"""The server under concurrent load and at its edges: fairness, a full queue, disconnects, timeouts, shutdown."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+from conftest import save_tiny_model
+from test_server import MODEL, PROMPTS, SETTINGS, RunningServer, assert_openai_error, running, stream_text
+
+from specdecode import Engine, SamplingParams
+from specdecode.models.loader import load_model
+from specdecode.server.app import DrainingServer, create_app
+
+METHODS = ["none", "ngram", "draft", "ngram,draft"]
+LONG = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+        "speculative": {"method": "none"}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """The tiny pair with a long context, so that a request can run for seconds (see the disconnect test)."""
+    root, long_context = tmp_path_factory.mktemp("server-load"), {"max_position_embeddings": 8192}
+    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15, **long_context), dtype="float32")
+    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01, **long_context),
+                       dtype="float32")
+    return Engine(target, draft, SETTINGS.spec)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    with running(create_app(engine, SETTINGS)) as server:
+        yield server
+
+
+def wait_until_idle(server: RunningServer, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while server.health()["active"] or server.health()["queued"]:
+        assert time.monotonic() < deadline, f"still busy: {server.health()}"
+        time.sleep(0.02)
+
+
+def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exactly(served, engine):
+    sampling = SamplingParams(max_tokens=16)
+    expected = {(chat, p): engine.complete([{"role": "user", "content": p}] if chat else p, sampling, raw=not chat)
+                for chat in (False, True) for p in PROMPTS}
+    requests = [(i % 2 == 1, PROMPTS[i // 2 % len(PROMPTS)], METHODS[i // 8 % len(METHODS)]) for i in range(200)]
+    counters = ("specdecode_generation_tokens_total", "specdecode_spec_drafted_tokens_total",
+                "specdecode_spec_accepted_tokens_total")
+    before = {name: served.metric(name) for name in counters}
+    before_ok = {path: served.metric("specdecode_requests_total", endpoint=path, status="200")
+                 for path in ("/v1/completions", "/v1/chat/completions")}
+
+    def send(request):
+        chat, prompt, method = request
+        body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "speculative": {"method": method},
+                "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        return stream_text(served.stream("/v1/chat/completions" if chat else "/v1/completions", body))
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(send, requests))
+    assert time.monotonic() - started < 60  # about 6 s on 2 idle cores
+
+    tokens = drafted = accepted = 0
+    for (chat, prompt, method), (text, finish, usage_chunk) in zip(requests, results, strict=True):
+        reference = expected[chat, prompt]
+        assert (text, finish) == (reference.text, reference.finish_reason), (chat, prompt, method)
+        assert usage_chunk["usage"]["completion_tokens"] == len(reference.token_ids)
+        spec = usage_chunk["speculative"]
+        assert spec["method"] == method and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+        assert (spec["drafted_tokens"] == 0) == (method == "none")
+        tokens += usage_chunk["usage"]["completion_tokens"]
+        drafted, accepted = drafted + spec["drafted_tokens"], accepted + spec["accepted_tokens"]
+    after = {name: served.metric(name) for name in counters}
+    assert [after[name] - before[name] for name in counters] == [tokens, drafted, accepted]
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
+        sent = sum(1 for request in requests if request[0] == chat)
+        assert served.metric("specdecode_requests_total", endpoint=path, status="200") - before_ok[path] == sent
+    assert served.health() == {"status": "ok", "active": 0, "queued": 0}
+
+
+def test_two_long_streams_interleave_step_by_step(served):
+    arrivals: dict[int, list[float]] = {0: [], 1: []}
+
+    def consume(index: int) -> None:
+        served.stream("/v1/completions", LONG, on_chunk=lambda _: arrivals[index].append(time.monotonic()))
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    first, second = (sorted(arrivals[i]) for i in (0, 1))
+    assert len(first) > 100 and len(second) > 100
+    # Each stream's first chunk lands while the other is still well short of its end.
+    assert sum(t > second[0] for t in first) > len(first) // 2
+    assert sum(t > first[0] for t in second) > len(second) // 2
+
+
+def test_full_queue_answers_429_with_retry_after_and_admitted_requests_complete(engine):
+    with running(create_app(engine, replace(SETTINGS, max_active=1, max_queued=1))) as server:
+        gate = threading.Barrier(8)
+
+        def send(_):
+            gate.wait()
+            return server.request("POST", "/v1/completions", LONG)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(send, range(8)))
+        statuses = [status for status, _, _ in answers]
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 1 and set(statuses) == {200, 429}
+        for status, headers, raw in answers:
+            if status == 429:
+                assert headers["retry-after"] == "1"
+                assert assert_openai_error(status, json.loads(raw), 429)["type"] == "rate_limit_error"
+            else:
+                body = json.loads(raw)
+                assert body["usage"]["completion_tokens"] == 400 and body["choices"][0]["finish_reason"] == "length"
+        wait_until_idle(server)
+
+
+def test_client_disconnect_ends_the_generation_and_frees_the_slot(served):
+    body = json.dumps({**LONG, "max_tokens": 8000, "stream": True}).encode()  # seconds of work if left running
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while b"data: " not in received:
+            received += conn.recv(4096)
+        assert received.startswith(b"HTTP/1.1 200") and served.health()["active"] == 1
+    wait_until_idle(served, seconds=1.5)
+    status, body = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def test_request_over_its_time_limit_ends_with_an_error_and_server_keeps_serving(engine):
+    with running(create_app(engine, replace(SETTINGS, request_timeout=0.05))) as server:
+        error = assert_openai_error(*server.post("/v1/completions", LONG), 408)
+        assert "timed out" in error["message"]
+        payloads = server.stream("/v1/chat/completions", {**LONG, "messages": [{"role": "user", "content": "hi"}]})
+        assert payloads[-1] == "[DONE]"
+        errors = [json.loads(p)["error"] for p in payloads[:-1] if "error" in json.loads(p)]
+        assert len(errors) == 1 and "timed out" in errors[0]["message"]
+        wait_until_idle(server)
+        assert server.metric("specdecode_requests_total", status="408") == 2
+        assert server.request("GET", "/v1/models")[0] == 200
+
+
+def test_shutdown_with_a_stream_in_flight_ends_it_cleanly(engine):
+    server = RunningServer(create_app(engine, SETTINGS))
+    first_chunk, outcome = threading.Event(), {}
+
+    def consume() -> None:
+        outcome["payloads"] = server.stream("/v1/completions", LONG, on_chunk=lambda _: first_chunk.set())
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert first_chunk.wait(10)
+    server.stop(timeout=30)  # should_exit with the stream still running; asserts the server thread ended
+    reader.join(10)
+    assert not reader.is_alive(), "the stream hung through shutdown"
+    payloads = outcome["payloads"]
+    assert payloads[-1] == "[DONE]"
+    last = json.loads(payloads[-2])
+    assert "error" in last or last["choices"][0]["finish_reason"] == "length"
+    scheduler = server.app.state.scheduler
+    assert scheduler.draining and not scheduler.thread.is_alive() and scheduler.load == (0, 0)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+
+
+def test_draining_server_ends_streams_past_the_grace_with_an_error_event_and_done(engine):
+    """What `specdecode serve` runs: streams still going when the grace runs out, active or queued, end cleanly."""
+    app = create_app(engine, replace(SETTINGS, max_active=1, shutdown_grace=0.3))
+    server = RunningServer(app, DrainingServer, timeout_graceful_shutdown=5)
+    first_chunk, outcomes = threading.Event(), {}
+
+    def consume(index: int) -> None:
+        body = {**LONG, "max_tokens": 8000}
+        outcomes[index] = server.stream("/v1/completions", body, on_chunk=lambda _: first_chunk.set())
+
+    readers = [threading.Thread(target=consume, args=(i,)) for i in (0, 1)]
+    for reader in readers:
+        reader.start()
+    assert first_chunk.wait(10)
+    wait = time.monotonic() + 5
+    while server.health() != {"status": "ok", "active": 1, "queued": 1}:
+        assert time.monotonic() < wait, server.health()
+        time.sleep(0.01)
+    started = time.monotonic()
+    server.stop(timeout=15)
+    for reader in readers:
+        reader.join(5)
+        assert not reader.is_alive(), "a stream hung through shutdown"
+    assert time.monotonic() - started < 5
+    for payloads in outcomes.values():
+        assert payloads[-1] == "[DONE]"
+        assert "shut down before this request" in json.loads(payloads[-2])["error"]["message"]
