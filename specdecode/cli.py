@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models`. Every user error ends in one line on stderr and exit code 2."""
+"""Command line: `specdecode generate | serve | bench | models`. A user error ends in one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -124,6 +124,21 @@ def list_models() -> int:
     for model in DEFAULT_MODELS.values():
         print(f"{model.name:32} {model.role:7} {model.size / 1e9:5.2f} GB  {status(model)}")
     return 0
+
+
+def default_draft_name(args: argparse.Namespace) -> str | None:
+    """--draft-model, or the default draft when the target is the default one too."""
+    return args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+
+
+def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):
+    """The target and (when named) the draft, each with its own dtype and quantization flags."""
+    from specdecode.models.loader import load_model
+
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
+    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet, args.draft_quant,
+                        args.group_size) if draft_name else None)
+    return target, draft
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
 
 MAX_DRAFT_TOKENS = 64
+# Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
+# greedy anyway (every other token's probability underflows to zero).
+GREEDY_BELOW = 1e-5
+# llama.cpp's --spec-type names with a counterpart here.
+METHOD_ALIASES = {"ngram-simple": "ngram", "ngram-map-k": "ngram"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,8 @@ class SamplingParams:
             raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise SpecDecodeError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SpecDecodeError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):
@@ -39,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -52,9 +59,10 @@ class SpecConfig:
     draft_p_min: float = 0.0  # stop model drafting when the draft's top probability falls below this; 0 = off
     ngram_min: int = 1
     ngram_max: int = 4
-    options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        names = (m.strip() for m in self.method.split(","))
+        object.__setattr__(self, "method", ",".join(METHOD_ALIASES.get(m, m) for m in names if m))
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecDecodeError(
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
@@ -68,4 +76,4 @@ class SpecConfig:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return tuple(m.strip() for m in self.method.split(",") if m.strip())
+        return tuple(m for m in self.method.split(",") if m)

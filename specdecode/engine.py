@@ -49,8 +49,9 @@ class Engine:
         self.target = target
         self.draft = draft
         self.spec = spec or SpecConfig()
-        self.context_limit = min(context_limit or target.config.max_position_embeddings,
-                                 target.config.max_position_embeddings)
+        # The draft indexes its own rope table too, so the shorter of the two contexts bounds a request.
+        model_limit = min(m.config.max_position_embeddings for m in (target, draft) if m is not None)
+        self.context_limit = min(context_limit or model_limit, model_limit)
         if draft is not None:
             check_vocabularies(target, draft)
         self.check_spec(self.spec)
@@ -101,7 +102,9 @@ class Engine:
             new_ids, finish = self._finish(seq, new_ids, eos, capacity)
             text = detokenizer.add(new_ids)
             if detokenizer.stopped:
-                finish = "stop"
+                # End at the token that completed the stop string, as plain decoding would.
+                del seq.tokens[len(seq.tokens) - len(new_ids) + detokenizer.consumed :]
+                new_ids, finish = new_ids[: detokenizer.consumed], "stop"
             if finish is None:
                 yield GenerationEvent(new_ids, text)
                 # A step commits up to k+1 tokens: never more than the budget or the context has room for.
@@ -132,7 +135,6 @@ class Engine:
         no_drafts = torch.empty(0, dtype=torch.long, device=device)  # [0]
         first = verify(no_drafts, None, out.logits[0], seq.sampling, seq.generator).next_token
         seq.tokens.append(first)
-        seq.target_hidden = out.hidden
         return [first]
 
     @torch.inference_mode()
@@ -152,7 +154,6 @@ class Engine:
         cache.truncate(start + 1 + result.num_accepted)
         committed = result.tokens
         seq.tokens.extend(committed)
-        seq.target_hidden = out.hidden
         drafter.commit(seq, result)
         draft_length.update(len(drafted), result.num_accepted)
         stats.record_step(proposal.source if proposal else "", len(drafted), result.num_accepted, len(committed))
@@ -166,15 +167,14 @@ class Engine:
 
     def _finish(self, seq: SequenceState, new_ids: list[int], eos: frozenset[int], capacity: int
                 ) -> tuple[list[int], str | None]:
-        """Cut the newest ids at an end-of-turn token or the token budget; say why generation ends, if it does."""
+        """Cut the newest ids after an end-of-turn token; say why generation ends, if it does.
+
+        The draft length is capped so a step never passes the token budget or the context (see generate).
+        """
         for i, token in enumerate(new_ids):
             if token in eos:
                 del seq.tokens[len(seq.tokens) - len(new_ids) + i + 1 :]
                 return new_ids[: i + 1], "stop"
-        overflow = self._made(seq) - seq.sampling.max_tokens
-        if overflow > 0:
-            del seq.tokens[-overflow:]
-            new_ids = new_ids[:-overflow]
         if self._made(seq) >= seq.sampling.max_tokens or len(seq.tokens) >= capacity:
             return new_ids, "length"
         return new_ids, None

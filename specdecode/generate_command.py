@@ -6,26 +6,24 @@ import argparse
 import json
 import sys
 
-from specdecode.cli import sampling_from_args, spec_from_args
+from specdecode.cli import default_draft_name, load_models, sampling_from_args, spec_from_args
 from specdecode.config import SpecConfig
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.stats import GenerationStats
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    except UnicodeDecodeError as error:
+        raise SpecDecodeError(f"the prompt on standard input is not UTF-8 text ({error})") from None
     sampling = sampling_from_args(args)
-    draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+    draft_name = default_draft_name(args)
     spec = spec_from_args(args, has_draft=draft_name is not None)
     if "draft" not in spec.methods:
         draft_name = None  # no need to load a model nobody drafts with
-    quiet = args.quiet or args.json
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
-    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet, args.draft_quant,
-                        args.group_size) if draft_name else None)
+    target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
     engine = Engine(target, draft, spec, context_limit=args.context)
 
     token_ids: list[int] = []

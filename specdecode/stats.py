@@ -14,6 +14,8 @@ class GenerationStats:
     accepted_tokens: int = 0
     target_forwards: int = 0  # verify forwards after prefill; each commits >= 1 token
     step_tokens: int = 0  # tokens committed by those forwards, bonus included
+    drafting_steps: int = 0  # forwards that verified at least one drafted token
+    rejections: int = 0  # forwards whose draft was cut short by a rejected token
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_by: dict[str, int] = field(default_factory=dict)  # method -> drafted tokens (for combinations)
@@ -29,6 +31,8 @@ class GenerationStats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         if drafted:
+            self.drafting_steps += 1
+            self.rejections += accepted < drafted
             self.drafted_by[source] = self.drafted_by.get(source, 0) + drafted
             self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
         while len(self.drafted_per_position) < drafted:
@@ -41,6 +45,16 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Leviathan et al.'s alpha: the chance a drafted token the target examines is accepted.
+
+        Each step examines its accepted tokens plus, if any, the one rejected token; later drafts are never
+        examined. (accepted / drafted, the acceptance rate, counts those unexamined drafts as failures too.)
+        """
+        examined = self.accepted_tokens + self.rejections
+        return self.accepted_tokens / examined if examined else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -69,6 +83,9 @@ class GenerationStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "token_acceptance": round(self.token_acceptance, 4),
+            "drafting_steps": self.drafting_steps,
+            "rejections": self.rejections,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
@@ -90,7 +107,8 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
     total = GenerationStats(method=method)
     for part in parts:
         for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
-                     "step_tokens", "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
+                     "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "draft_seconds",
+                     "verify_seconds", "total_seconds"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         for position, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):
             if position == len(total.drafted_per_position):

@@ -28,17 +28,16 @@ class Tokenizer:
         eos = set(config.eos_token_ids)
         generation = folder / "generation_config.json"
         if generation.is_file():
-            listed = json.loads(generation.read_text()).get("eos_token_id")
+            try:
+                listed = json.loads(generation.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError) as error:
+                raise SpecDecodeError(f"{generation} is not a valid generation config ({error})") from None
             eos.update(listed if isinstance(listed, list) else [listed] if listed is not None else [])
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
         vocab = hf.get_vocab()
         eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         return cls(hf, frozenset(eos))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
@@ -78,16 +77,29 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
+        self.stop_at: int | None = None  # where the visible text ends once a stop string is found
+        self.released_stop = False  # the text up to the stop has been handed out
+        self.consumed = 0  # ids taken by the last add()
 
     def add(self, ids: list[int]) -> str:
-        """Append ids; return the new text that is safe to show. Sets `stopped` when a stop string appears."""
+        """Append ids; return the new text that is safe to show.
+
+        When a stop string completes, sets `stopped` and takes no further ids: `consumed` tells how many of
+        these ids were taken, so the caller can end the output at the very token plain decoding would end at.
+        """
+        self.consumed = 0
         for token in ids:
+            if self.stopped:
+                break
             self.ids.append(token)
+            self.consumed += 1
             window_before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
             window_now = self.tokenizer.decode(self.ids[self.prefix_offset :])
             if len(window_now) > len(window_before) and not window_now.endswith("\ufffd"):
                 self.text += window_now[len(window_before) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                if self.stop:
+                    self._find_stop()
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -98,18 +110,22 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
         return self._release(final=True)
 
-    def _release(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        cut = len(self.text)
+    def _find_stop(self) -> None:
+        """Mark the earliest stop string in the text not yet handed out; the visible text ends before it."""
         for stop in self.stop:
             found = self.text.find(stop, max(0, self.emitted - len(stop) + 1))
-            if found != -1 and found < cut:
-                cut, self.stopped = found, True
+            if found != -1 and (self.stop_at is None or found < self.stop_at):
+                self.stop_at, self.stopped = found, True
+
+    def _release(self, final: bool) -> str:
+        if self.released_stop:
+            return ""
+        cut = len(self.text) if self.stop_at is None else self.stop_at
         if not self.stopped and not final:
             cut -= self._held_back()
         delta = self.text[self.emitted : cut]
         self.emitted = max(self.emitted, cut)
+        self.released_stop = self.stopped
         return delta
 
     def _held_back(self) -> int:
@@ -124,5 +140,5 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """The full visible text (stop string and what follows it removed)."""
+        """The full visible text so far (a stop string and what follows it removed)."""
         return self.text[: self.emitted]

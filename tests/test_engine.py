@@ -106,13 +106,16 @@ def test_stops_at_end_of_turn_token(engine, plain_outputs):
     assert result.token_ids == plain_outputs[PROMPTS[2]][: plain_outputs[PROMPTS[2]].index(eos_token) + 1]
 
 
-def test_stop_string_cuts_text(engine, plain_outputs):
+def test_stop_string_cuts_text_and_ids_where_plain_decoding_does(engine, plain_outputs):
     full = engine.target.tokenizer.decode(plain_outputs[PROMPTS[0]])
     stop = full[10:13]
-    result = engine.complete(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True),
-                             SpecConfig("ngram,draft"))
-    assert result.finish_reason == "stop"
-    assert result.text == full[: full.index(stop)]
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True)
+    plain = engine.complete(PROMPTS[0], sampling, SpecConfig("none"))
+    assert plain.finish_reason == "stop" and plain.text == full[: full.index(stop)]
+    for method in METHODS:
+        result = engine.complete(PROMPTS[0], sampling, SpecConfig(method, num_draft_tokens=8))
+        assert (result.text, result.token_ids, result.finish_reason) == (plain.text, plain.token_ids, "stop")
+        assert result.stats.new_tokens == len(plain.token_ids)
 
 
 def test_context_limit_ends_generation(pair):

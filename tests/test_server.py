@@ -23,7 +23,7 @@ from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.cli import main
 from specdecode.models.loader import load_model
 from specdecode.server.app import DrainingServer, ServerSettings, create_app
-from specdecode.server.serve_command import LLAMA_CPP_SPEC_TYPES, spec_from_vllm
+from specdecode.server.serve_command import spec_from_vllm
 
 MODEL = "tiny-qwen2"
 SETTINGS = ServerSettings(model_name=MODEL, spec=SpecConfig("ngram,draft"))
@@ -350,7 +350,9 @@ def test_spec_from_vllm_maps_methods_and_rejects_bad_config():
     for bad in ("{method: ngram", '["ngram"]', '{"method": "eagle"}', "{}"):
         with pytest.raises(SpecDecodeError):
             spec_from_vllm(bad, base)
-    assert LLAMA_CPP_SPEC_TYPES["ngram-simple"] == "ngram"
+    assert SpecConfig("ngram-simple").method == "ngram"  # llama.cpp's name
+    with pytest.raises(SpecDecodeError, match="wrong type"):
+        spec_from_vllm('{"method": "ngram", "num_speculative_tokens": "x"}', base)
 
 
 def test_serve_command_maps_llama_cpp_spec_type(models, monkeypatch):

@@ -17,12 +17,10 @@ from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
-from specdecode.cli import sampling_from_args
+from specdecode.cli import default_draft_name, load_models, sampling_from_args
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 RunnerFactory = Callable[[SamplingParams], TurnRunner]
 HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate", "identical_rate",
@@ -31,7 +29,7 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
 
 def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
     """'none,draft,ngram+draft:k=5' -> our method specs; '+' chains methods, ':k=N' sets the draft length."""
-    specs = [MethodSpec("none", "specdecode", "none", 0, SpecConfig("none"))]
+    specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, options = label.partition(":")
         k = args.num_draft_tokens
@@ -42,22 +40,29 @@ def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
             k = int(value)
         spec = SpecConfig(name.replace("+", ","), num_draft_tokens=k, adaptive=args.adaptive,
                           draft_p_min=args.draft_p_min, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+        if label in (s.name for s in specs[1:]):
+            raise SpecDecodeError(f"method {label!r} is listed twice in --methods")
         if label != "none":
-            specs.append(MethodSpec(label, "specdecode", "none", k, spec))
+            specs.append(MethodSpec(label, "specdecode", "none", spec))
     return specs
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    for name in ("repeats", "limit", "per_category"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.out:  # fail now, not after an hour of measuring
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SpecDecodeError(f"cannot write results to {args.out} ({error})") from None
     questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
                                args.per_category)
     sampling = sampling_from_args(args)
     methods = parse_methods(args.methods, args)
     needs_draft = any("draft" in m.spec.methods for m in methods) or "hf" in args.peer
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quant=args.quant,
-                        group_size=args.group_size)
-    draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
-    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quant=args.draft_quant,
-                        group_size=args.group_size) if needs_draft and draft_name else None)
+    target, draft = load_models(args, default_draft_name(args) if needs_draft else None)
     engine = Engine(target, draft, context_limit=args.context)
     for method in methods:
         engine.check_spec(method.spec)

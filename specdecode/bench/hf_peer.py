@@ -30,7 +30,7 @@ class HFPeer:
         specs = [MethodSpec("hf:plain", "hf", "hf:plain")]
         if self.assistant is not None:
             specs.append(MethodSpec("hf:assisted", "hf", "hf:plain"))
-        specs.append(MethodSpec("hf:prompt-lookup", "hf", "hf:plain", self.prompt_lookup_tokens))
+        specs.append(MethodSpec("hf:prompt-lookup", "hf", "hf:plain"))
         return specs
 
     def turn_runner(self, method: str, sampling: SamplingParams) -> TurnRunner:

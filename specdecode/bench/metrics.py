@@ -4,8 +4,9 @@
   over questions.
 - speedup: mean tokens/s of the method / mean tokens/s of its plain baseline (a ratio of means).
 - mean accepted length: tokens committed per target forward, bonus included, weighted by steps (1.00 plain).
-- ceiling (Leviathan et al. 2022): S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), a the acceptance rate, k the mean
-  draft length, c the cost of drafting one token relative to one target forward.
+- ceiling (Leviathan et al. 2022): S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), a the chance an examined draft
+  token is accepted (accepted / (accepted + rejections)), k the mean draft length of the steps that drafted,
+  c the cost of drafting one token relative to one target forward.
 """
 
 from __future__ import annotations
@@ -92,13 +93,14 @@ def summarize(runs: list[list[QuestionResult]], baseline_runs: list[list[Questio
     summary["divergences"] = divergences
     if stats_parts:
         total = combine(stats_parts, stats_parts[0].method)
-        k = total.drafted_tokens / total.target_forwards if total.target_forwards else 0.0
+        k = total.drafted_tokens / total.drafting_steps if total.drafting_steps else 0.0
         c = draft_cost_ratio(total)
-        ceiling = ceiling_speedup(total.acceptance_rate, k, c) if total.drafted_tokens else 1.0
+        ceiling = ceiling_speedup(total.token_acceptance, k, c) if total.drafted_tokens else 1.0
         spent = total.total_seconds or 1.0
         summary.update({
             "mean_accepted_length": round(total.mean_accepted_length, 3),
             "acceptance_rate": round(total.acceptance_rate, 4),
+            "token_acceptance": round(total.token_acceptance, 4),
             "acceptance_per_position": [round(x, 4) for x in total.acceptance_per_position],
             "mean_draft_length": round(k, 3),
             "draft_cost_ratio": round(c, 4),

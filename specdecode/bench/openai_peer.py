@@ -84,6 +84,8 @@ def stream_chat(url: str, body: dict) -> tuple[str, dict]:
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
+                if "error" in chunk:  # a server that fails mid-stream says so in the stream
+                    raise SpecDecodeError(f"request to {url} failed mid-stream: {chunk['error']}")
                 for choice in chunk.get("choices") or []:
                     delta = (choice.get("delta") or {}).get("content")
                     if delta:

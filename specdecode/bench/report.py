@@ -80,8 +80,9 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
               "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
               "(ours: `none`; transformers: `hf:plain`), measured in the same run on the same prompts.",
               "- acc. len: mean accepted length, tokens per target forward including the bonus token (1.00 plain).",
-              "- accept: accepted / drafted tokens. ceiling: (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured "
-              "acceptance a, mean draft length k and draft cost ratio c (Leviathan et al. 2022).",
+              "- accept: accepted / drafted tokens. ceiling: (1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. "
+              "2022) with a the chance an examined draft token is accepted (accepted / (accepted + rejections)), "
+              "k the mean draft length of the steps that drafted and c the measured draft cost ratio.",
               "- identical: share of questions whose token ids equal plain decoding's (greedy).", "",
               "![speedup](speedup_by_category.png)", "", "![acceptance](acceptance_by_position.png)", ""]
     return "\n".join(lines)

@@ -50,7 +50,6 @@ class MethodSpec:
     name: str
     family: str  # "specdecode", "hf" or "openai"
     baseline: str  # the plain-decoding method of the same family, for speedup and identical-output rate
-    num_draft_tokens: int = 0
     spec: SpecConfig | None = None  # ours only
 
 

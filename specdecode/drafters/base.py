@@ -7,7 +7,7 @@ catches up on whatever it has not seen at the start of each `propose`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -27,7 +27,6 @@ class SequenceState:
     sampling: SamplingParams
     generator: torch.Generator
     capacity: int  # the most tokens this sequence may ever hold (context limit)
-    target_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # last verify's requested hidden states
 
 
 @dataclass

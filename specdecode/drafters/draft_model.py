@@ -35,49 +35,59 @@ class DraftModelDrafter(Drafter):
         self.cache = self.draft.model.new_cache(seq.capacity)
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        model, cache = self.draft.model, self.cache
-        seen = cache.lengths[0]
-        # Catch up on every committed token not yet in the draft cache (the prompt on the first step, the
-        # target's corrected or bonus token, or a stretch another drafter won) in one forward.
-        pending = torch.tensor([seq.tokens[seen:]], device=model.device)  # [1, P]
-        positions = torch.arange(seen, len(seq.tokens), device=model.device).unsqueeze(0)  # [1, P]
-        logits = model(pending, positions, cache, logits_at=slice(-1, None)).logits[0, -1]  # [V_draft]
+        logits = self._catch_up(seq)  # [V]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        model = self.draft.model
         for i in range(k):
-            q = logits_to_probs(logits, seq.sampling)  # [V_draft]
             if seq.sampling.greedy:
                 token = int(logits.argmax())
                 confidence = torch.softmax(logits, dim=-1)[token] if self.p_min else None
             else:
+                q = logits_to_probs(logits, seq.sampling)  # [V]: the law the draft token is drawn from
                 token = int(sample(q, seq.generator))
                 confidence = q.max() if self.p_min else None
+                rows.append(q)
             # llama.cpp's --draft-p-min: an unsure draft is likely rejected, so stop spending time on it.
             if confidence is not None and confidence < self.p_min:
+                rows = rows[: len(tokens)]
                 break
             tokens.append(token)
-            rows.append(q)
             if i + 1 < k:
                 step = torch.tensor([[token]], device=model.device)  # [1, 1]
                 position = torch.tensor([[len(seq.tokens) + i]], device=model.device)  # [1, 1]
-                logits = model(step, position, cache).logits[0, -1]  # [V_draft]
+                logits = self._to_target_vocab(model(step, position, self.cache).logits[0, -1])  # [V]
         if not tokens:
             return DraftProposal.empty(self.name)
-        probs = None if seq.sampling.greedy else self._to_target_vocab(torch.stack(rows))  # [K, V]
+        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
+        probs = torch.stack(rows) if rows else None  # [K, V]
         return DraftProposal(tokens, probs, self.name)
+
+    def _catch_up(self, seq: SequenceState) -> torch.Tensor:
+        """Feed every committed token not yet in the draft cache in one forward; -> next-token logits [V].
+
+        That is the prompt on the first step, the target's corrected or bonus token, or a stretch that another
+        drafter of a chain won.
+        """
+        model, seen = self.draft.model, self.cache.lengths[0]
+        pending = torch.tensor([seq.tokens[seen:]], device=model.device)  # [1, P]
+        positions = torch.arange(seen, len(seq.tokens), device=model.device).unsqueeze(0)  # [1, P]
+        logits = model(pending, positions, self.cache, logits_at=slice(-1, None)).logits[0, -1]  # [V_draft]
+        return self._to_target_vocab(logits)
 
     def commit(self, seq: SequenceState, result) -> None:
         # Keep only cached tokens that were accepted; everything after them is overwritten next time.
         self.cache.truncate(min(self.cache.lengths[0], len(seq.tokens) - 1))
 
-    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        """q [K, V_draft] -> [K, V_target]: padded embedding rows differ between sizes of one family."""
-        size = q.shape[1]
-        if size == self.target_vocab:
-            return q
-        if size > self.target_vocab:
-            return q[:, : self.target_vocab]
-        return torch.nn.functional.pad(q, (0, self.target_vocab - size))
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V_draft] -> [V_target]: padded embedding rows differ between sizes of one family.
+
+        Ids the target does not have get -inf, so they are never drafted and q stays the law drafts follow.
+        """
+        size = logits.shape[0]
+        if size >= self.target_vocab:
+            return logits[: self.target_vocab]
+        return torch.nn.functional.pad(logits, (0, self.target_vocab - size), value=float("-inf"))
 
 
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.model_config import ModelConfig, unsupported_message
+from specdecode.tokenizer import END_OF_TURN_TOKENS
 
 # GGUF calls Mistral "llama"; both share one decoder here.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -44,7 +45,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
 
 
 def open_gguf(path: Path):
@@ -80,6 +80,13 @@ def field_value(reader, key: str, default=None):
 
 
 def config_from_gguf(reader, path: Path) -> ModelConfig:
+    try:
+        return _config_from_gguf(reader, path)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SpecDecodeError(f"{path}: GGUF metadata is missing or malformed ({error!r})") from None
+
+
+def _config_from_gguf(reader, path: Path) -> ModelConfig:
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCHITECTURES:
         raise SpecDecodeError(f"{path}: {unsupported_message(gguf_arch)}")
@@ -183,6 +190,6 @@ def _write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
         raise SpecDecodeError(f"{path}: could not build a tokenizer from the GGUF metadata ({error})") from None
     tokenizer.save_pretrained(str(out_dir))
     vocab = tokenizer.get_vocab()
-    eos = sorted({*config.eos_token_ids, *(vocab[t] for t in _END_OF_TURN if t in vocab)})
+    eos = sorted({*config.eos_token_ids, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)})
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=1))

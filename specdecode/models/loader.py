@@ -18,7 +18,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import convert_gguf
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
-from specdecode.models.quantized_linear import QUANT_MODES, quantize_linears
+from specdecode.models.quantized_linear import check_quant, quantize_linears
 from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
 from specdecode.tokenizer import Tokenizer
@@ -66,8 +66,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     torch_dtype = resolve_dtype(dtype, device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
-    if quant not in QUANT_MODES:
-        raise SpecDecodeError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    check_quant(quant, group_size)
     folder = resolve_folder(str(name_or_path), torch_dtype, quiet)
     model = load_folder(folder, torch_dtype, device, quant, group_size)
     tokenizer = Tokenizer.from_folder(folder, model.config)

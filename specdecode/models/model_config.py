@@ -42,7 +42,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
-        """Build from a Hugging Face config.json dict."""
+        """Build from a Hugging Face config.json dict; a missing or malformed field is one clear error."""
+        try:
+            return cls._from_hf(hf)
+        except (KeyError, TypeError, ValueError) as error:
+            raise SpecDecodeError(f"config.json is missing or has a malformed field ({error!r})") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict) -> ModelConfig:
         arch = hf.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise SpecDecodeError(unsupported_message(arch or str(hf.get("architectures"))))

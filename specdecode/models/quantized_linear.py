@@ -13,6 +13,15 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 
 QUANT_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
+
+
+def check_quant(mode: str, group_size: int) -> None:
+    if mode not in QUANT_MODES:
+        raise SpecDecodeError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise SpecDecodeError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                              f"got {group_size}")
 
 
 class Int8Linear(nn.Module):
@@ -66,8 +75,7 @@ class Int4Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> None:
     """Replace every nn.Linear (the output head included) by its quantized form, in place."""
-    if mode not in QUANT_MODES:
-        raise SpecDecodeError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+    check_quant(mode, group_size)
     if mode == "none":
         return
     if next(model.parameters()).device.type != "cpu":

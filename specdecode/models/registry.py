@@ -63,7 +63,11 @@ def cache_dir() -> Path:
         path = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "specdecode"
     else:
         path = Path.home() / ".cache" / "specdecode"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SpecDecodeError(f"cannot create the cache folder {path} ({error}); set SPECDECODE_CACHE to a "
+                              "writable folder") from None
     return path
 
 

@@ -175,7 +175,7 @@ async def next_event(job: Job) -> GenerationEvent:
     return item
 
 
-async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict:
+async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict | Response:
     text, first_token_at = [], None
     try:
         while True:
@@ -184,7 +184,9 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
                 await asyncio.wait({waiter}, timeout=0.5)
                 if not waiter.done() and await request.is_disconnected():
                     waiter.cancel()
-                    raise asyncio.CancelledError
+                    # Nobody reads this answer; 499 (nginx's "client closed request") just closes the books.
+                    metrics.requests.labels(request.url.path, "499").inc()
+                    return Response(status_code=499)
             event = waiter.result()
             first_token_at = first_token_at or time.monotonic()
             text.append(event.text)

@@ -43,7 +43,11 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_active: int = 8, max_queued: int = 64):
+        if max_active < 1 or max_queued < 1:
+            raise SpecDecodeError(f"need at least one active and one queued request, got max_active={max_active} "
+                                  f"max_queued={max_queued}")
         self.engine = engine
+        self.lock = threading.Lock()
         self.max_active = max_active
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queued)
         self.active: list[tuple[Job, Iterator[GenerationEvent]]] = []
@@ -55,12 +59,14 @@ class Scheduler:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
-        if self.draining:
-            raise ShuttingDown("the server is shutting down")
-        try:
-            self.pending.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.pending.maxsize} requests are already waiting") from None
+        # Under the lock, so a job is never queued after the worker's last look at the queue.
+        with self.lock:
+            if self.draining:
+                raise ShuttingDown("the server is shutting down")
+            try:
+                self.pending.put_nowait(job)
+            except queue.Full:
+                raise QueueFull(f"{self.pending.maxsize} requests are already waiting") from None
 
     @property
     def load(self) -> tuple[int, int]:
@@ -68,7 +74,8 @@ class Scheduler:
 
     def shutdown(self, grace_seconds: float) -> None:
         """Stop taking requests, let in-flight ones finish within the grace period, then end the rest cleanly."""
-        self.draining = True
+        with self.lock:
+            self.draining = True
         deadline = time.monotonic() + grace_seconds
         while (self.active or not self.pending.empty()) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -97,6 +104,9 @@ class Scheduler:
             except queue.Empty:
                 return
             if job.cancelled.is_set():
+                continue
+            if time.monotonic() > job.deadline:  # waited in the queue past its time limit
+                job.send(SpecDecodeError("request timed out"))
                 continue
             generator = self.engine.generate(job.prompt_ids, job.sampling, job.spec)
             self.active.append((job, generator))

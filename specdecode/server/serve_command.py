@@ -7,15 +7,11 @@ import json
 import sys
 from dataclasses import replace
 
-from specdecode.cli import spec_from_args
+from specdecode.cli import default_draft_name, load_models, spec_from_args
 from specdecode.config import SpecConfig
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
-# llama.cpp's --spec-type names that have a counterpart here.
-LLAMA_CPP_SPEC_TYPES = {"ngram-simple": "ngram", "ngram-map-k": "ngram", "draft": "draft", "none": "none"}
 # vLLM's speculative_config "method" values that have a counterpart here.
 VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram"}
 
@@ -32,10 +28,13 @@ def spec_from_vllm(config_json: str, base: SpecConfig) -> tuple[SpecConfig, str 
     if method not in VLLM_METHODS:
         raise SpecDecodeError(f"--speculative-config method {method!r} is not supported; "
                               f"supported: {', '.join(VLLM_METHODS)}")
-    spec = replace(base, method=VLLM_METHODS[method],
-                   num_draft_tokens=int(config.get("num_speculative_tokens", base.num_draft_tokens)),
-                   ngram_min=int(config.get("prompt_lookup_min", base.ngram_min)),
-                   ngram_max=int(config.get("prompt_lookup_max", base.ngram_max)))
+    try:
+        spec = replace(base, method=VLLM_METHODS[method],
+                       num_draft_tokens=int(config.get("num_speculative_tokens", base.num_draft_tokens)),
+                       ngram_min=int(config.get("prompt_lookup_min", base.ngram_min)),
+                       ngram_max=int(config.get("prompt_lookup_max", base.ngram_max)))
+    except (TypeError, ValueError) as error:
+        raise SpecDecodeError(f"--speculative-config has a value of the wrong type ({error})") from None
     return spec, config.get("model")
 
 
@@ -44,18 +43,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
-    if args.spec_type in LLAMA_CPP_SPEC_TYPES:
-        args.spec_type = LLAMA_CPP_SPEC_TYPES[args.spec_type]
-    draft_name = args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+    draft_name = default_draft_name(args)
     spec = spec_from_args(args, has_draft=draft_name is not None)
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         draft_name = named_draft or draft_name
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quant=args.quant,
-                        group_size=args.group_size)
     needs_draft = "draft" in spec.methods or args.allow_draft_override
-    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quant=args.draft_quant,
-                        group_size=args.group_size) if draft_name and needs_draft else None)
+    target, draft = load_models(args, draft_name if needs_draft else None)
     engine = Engine(target, draft, spec, context_limit=args.context)
     settings = ServerSettings(
         model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,

@@ -1,0 +1,95 @@
+"""End to end: sampled output of every drafting method follows the target's distribution.
+
+verify.py's statistical tests check the acceptance rule alone; this runs the whole engine (drafters, caches,
+rollback, the shared logits transform and the request's random generator) on a model with an 8-token
+vocabulary, and compares the joint law of the first two generated tokens and the law of the third with the
+exact one computed from the target's own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models.loader import load_model
+from specdecode.sampling import logits_to_probs
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so n-gram lookup drafts "3 1 2"
+RUNS = 3000
+Z_ALPHA = 3.719  # standard normal quantile at 1 - 1e-4: a correct engine fails one run in 10,000
+SETTINGS = {
+    "temperature": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    "top-p": SamplingParams(temperature=0.8, top_p=0.8, max_tokens=3, ignore_eos=True),
+}
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab8")
+    target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), dtype="float32")
+    draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB),
+                       dtype="float32")
+    return target, draft
+
+
+def exact_laws(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> joint p(t1, t2) [V, V] and marginal p(t3) [V], from the target's logits through the shared transform."""
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0),
+                           model.new_cache(len(ids))).logits[0, -1]  # [V]
+        return logits_to_probs(logits, params)
+
+    first = next_probs(PROMPT)  # [V]
+    joint = torch.zeros(VOCAB, VOCAB)  # [V, V]
+    third = torch.zeros(VOCAB)  # [V]
+    for a, b in itertools.product(range(VOCAB), repeat=2):
+        pair = first[a] * next_probs(PROMPT + [a])[b]
+        joint[a, b] = pair
+        if pair > 0:
+            third += pair * next_probs(PROMPT + [a, b])
+    return joint, third
+
+
+def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's test at alpha = 1e-4, cells expecting fewer than 5 draws pooled into one (the usual rule)."""
+    counts, expected = counts.flatten(), probs.flatten() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token the target never produces was emitted"
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    wanted = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = wanted > 0
+    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    df = int(keep.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square quantile: within 2% for these degrees of freedom.
+    critical = df * (1 - 2 / (9 * df) + Z_ALPHA * (2 / (9 * df)) ** 0.5) ** 3
+    return statistic < critical
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "ngram,draft"])
+def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method):
+    target, draft = small_vocab_pair
+    engine = Engine(target, draft)
+    params = SETTINGS[setting]
+    joint, third = exact_laws(target.model, params)
+    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
+    drafted = 0
+    for seed in range(RUNS):
+        result = engine.complete(PROMPT, replace(params, seed=seed), SpecConfig(method, num_draft_tokens=2,
+                                                                                 adaptive=False))
+        a, b, c = result.token_ids
+        pair_counts[a, b] += 1
+        third_counts[c] += 1
+        drafted += result.stats.drafted_tokens
+    assert method == "none" or drafted > RUNS  # speculation really ran
+    assert chi_square_passes(pair_counts, joint)
+    assert chi_square_passes(third_counts, third)
