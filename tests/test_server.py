@@ -175,6 +175,18 @@ def test_chat_completion_equals_engine_output(served, engine):
     assert response.usage.completion_tokens == len(expected.token_ids)
 
 
+def test_null_fields_and_text_content_parts_are_accepted_as_other_servers_do(served, engine):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    expected = greedy(engine, messages, max_tokens=8)
+    status, body = served.post("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 8, "temperature": 0, "top_p": None, "stop": None,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPTS[1]}]}]})
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected.text
+    status, body = served.post("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert_openai_error(status, body, 400)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_text_equals_non_streamed_and_ends_with_usage_and_done(served, chat):
     client, request = served.client(), dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})

@@ -34,27 +34,28 @@ class HFPeer:
         return specs
 
     def turn_runner(self, method: str, sampling: SamplingParams) -> TurnRunner:
-        options: dict = {}
-        if method == "hf:assisted":
-            options["assistant_model"] = self.assistant
-        elif method == "hf:prompt-lookup":
-            options["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
-        elif method != "hf:plain":
+        from transformers import GenerationConfig
+
+        if method not in HF_METHODS or (method == "hf:assisted" and self.assistant is None):
             raise SpecDecodeError(f"unknown transformers method {method!r}; known: {', '.join(HF_METHODS)}")
-        if sampling.greedy:
-            options["do_sample"] = False
-        else:
-            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
-                           top_p=sampling.top_p, min_p=sampling.min_p or None)
         tokenizer = self.target.tokenizer
         eos = sorted(tokenizer.eos_token_ids)
+        # An explicit config, so settings a model folder ships (repetition_penalty, ...) cannot creep in.
+        settings = dict(max_new_tokens=sampling.max_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                        do_sample=not sampling.greedy)
+        if not sampling.greedy:
+            settings.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
+                            min_p=sampling.min_p or None)
+        if method == "hf:prompt-lookup":
+            settings["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        config = GenerationConfig(**settings)
+        assistant = {"assistant_model": self.assistant} if method == "hf:assisted" else {}
 
         def run_turn(messages: list[dict]) -> TurnOutput:
             prompt = torch.tensor([tokenizer.encode_chat(messages)])  # [1, P]
             with torch.inference_mode():
                 output = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                             max_new_tokens=sampling.max_tokens, eos_token_id=eos,
-                                             pad_token_id=eos[0], **options)  # [1, P+N]
+                                             generation_config=config, **assistant)  # [1, P+N]
             ids = output[0, prompt.shape[1]:].tolist()
             return TurnOutput(tokenizer.decode(ids), len(ids), ids)
 

@@ -62,8 +62,9 @@ def run_question(question: Question, run_turn: TurnRunner) -> QuestionResult:
         started = perf_counter()
         try:
             output = run_turn(messages)
-        except SpecDecodeError as error:
-            result.error = str(error)
+        except (SpecDecodeError, RuntimeError, ValueError, OSError) as error:
+            # One failed question (a peer's error, a library's) is recorded; the other results still count.
+            result.error = f"{type(error).__name__}: {error}"
             return result
         result.seconds += perf_counter() - started
         result.new_tokens += output.new_tokens

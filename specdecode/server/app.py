@@ -20,7 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from specdecode.server.responses import ResponseShape
-from specdecode.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from specdecode.server.scheduler import Job, QueueFull, RequestTimeout, Scheduler, ShuttingDown
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,8 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         raise APIError(400, f"max_tokens {max_tokens} is above the context limit of {engine.context_limit}",
                        param="max_tokens")
     try:
-        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p,
                                   min_p=body.min_p, max_tokens=max_tokens, seed=body.seed,
                                   stop=body.stop_strings(), ignore_eos=body.ignore_eos)
         spec = settings.spec
@@ -153,13 +154,13 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                                            ("num_draft_tokens", body.speculative.num_draft_tokens)) if v is not None}
             spec = replace(spec, **overrides)
             engine.check_spec(spec)
-        prompt = [m.model_dump() for m in body.messages] if chat else body.prompt
+        prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)
         vocab_size = engine.target.config.vocab_size
         if not chat and isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt_ids):
             # Caught here: in the model it fails the request with a 500 on CPU and a device assert on CUDA.
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    except SpecDecodeError as error:
+    except (SpecDecodeError, ValueError) as error:
         raise APIError(400, str(error)) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop())
 
@@ -167,7 +168,7 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
 async def next_event(job: Job) -> GenerationEvent:
     item = await job.events.get()
     if isinstance(item, SpecDecodeError):
-        raise APIError(408 if "timed out" in str(item) else 503, str(item), "server_error")
+        raise APIError(408 if isinstance(item, RequestTimeout) else 503, str(item), "server_error")
     if isinstance(item, Exception):
         raise APIError(500, f"internal error: {item}", "server_error")
     if item is None:

@@ -24,8 +24,9 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # None means "the default", as OpenAI's own client sends it.
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0, lt=1)
     seed: int | None = None
@@ -48,7 +49,14 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict] | None = None  # a string, or OpenAI's list of {"type": "text", "text"} parts
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.get("type") != "text" for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(str(part.get("text", "")) for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -22,6 +22,10 @@ class QueueFull(Exception):
     """No room for another request; the client should retry later."""
 
 
+class RequestTimeout(SpecDecodeError):
+    """The request ran past its time limit (waiting or generating)."""
+
+
 class ShuttingDown(Exception):
     """The server is draining and takes no new requests."""
 
@@ -106,7 +110,7 @@ class Scheduler:
             if job.cancelled.is_set():
                 continue
             if time.monotonic() > job.deadline:  # waited in the queue past its time limit
-                job.send(SpecDecodeError("request timed out"))
+                job.send(RequestTimeout("request timed out"))
                 continue
             generator = self.engine.generate(job.prompt_ids, job.sampling, job.spec)
             self.active.append((job, generator))
@@ -118,7 +122,7 @@ class Scheduler:
             if job.cancelled.is_set():
                 pass  # the client went away: drop its state without another step
             elif time.monotonic() > job.deadline:
-                job.send(SpecDecodeError("request timed out"))
+                job.send(RequestTimeout("request timed out"))
             else:
                 event = next(generator)
                 job.send(event)
