@@ -175,6 +175,7 @@ def test_openai_peer_streams_and_records_failures_per_question(tiny_pair, tmp_pa
     assert [r["error"] is None for r in runs] == [True, True, False] and "500" in runs[2]["error"]
     assert runs[0]["new_tokens"] == 6 and runs[0]["extra"][0]["timings"]["draft_n_accepted"] == 3
     assert results["summary"]["openai:fake"]["errors"] == 1
+    assert results["summary"]["openai:fake"]["speedup"] > 0  # measured against our plain decoding
     assert results["summary"]["openai:fake"]["time_to_first_token"] >= 0
 
 
@@ -227,3 +228,11 @@ def test_per_category_keeps_the_first_questions_of_each_category(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert [q.question_id for q in load_questions([str(path)], per_category=2)] == ["0", "1", "2", "3"]
     assert [q.question_id for q in load_questions([str(path)], per_category=2, limit=3)] == ["0", "1", "2"]
+
+
+def test_sampled_bench_reports_no_identity(tiny_pair, capsys):
+    target, draft, questions = tiny_pair
+    code = main(["bench", "--dataset", questions, "--model", target, "--draft-model", draft, "--dtype", "float32",
+                 "--max-tokens", "6", "--methods", "draft", "--temperature", "0.8", "--seed", "1"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and last["draft"]["identical_rate"] is None

@@ -78,7 +78,8 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
     lines += ["", "## Definitions (Spec-Bench)", "",
               "- tokens/s: per question, new tokens over wall time (all turns, prefill included), then the mean.",
               "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
-              "(ours: `none`; transformers: `hf:plain`), measured in the same run on the same prompts.",
+              "(ours: `none`; transformers: `hf:plain`; an OpenAI-compatible server: our `none`), measured in the "
+              "same run on the same prompts.",
               "- acc. len: mean accepted length, tokens per target forward including the bonus token (1.00 plain).",
               "- accept: accepted / drafted tokens. ceiling: (1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. "
               "2022) with a the chance an examined draft token is accepted (accepted / (accepted + rejections)), "
