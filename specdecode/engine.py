@@ -148,7 +148,7 @@ class Engine:
         start = len(seq.tokens) - 1  # the last committed token is not in the cache yet
         inputs = torch.tensor([[seq.tokens[-1], *drafted]], device=device)  # [1, K+1]
         positions = torch.arange(start, start + len(drafted) + 1, device=device).unsqueeze(0)  # [1, K+1]
-        out = self.target.model(inputs, positions, cache, hidden_layers=drafter.needs_hidden_layers)
+        out = self.target.model(inputs, positions, cache, hidden_layers=drafter.needs_hidden_layers)  # [1, K+1, V]
         draft_probs = proposal.probs[: len(drafted)] if proposal and proposal.probs is not None else None
         result = verify(inputs[0, 1:], draft_probs, out.logits[0], seq.sampling, seq.generator)
         cache.truncate(start + 1 + result.num_accepted)

@@ -31,7 +31,7 @@ def top2_gap(engine: Engine, question: Question, reference_ids: list[list[int]],
         logits = model(torch.tensor([prefix], device=model.device),
                        torch.arange(len(prefix), device=model.device).unsqueeze(0),
                        model.new_cache(len(prefix)), logits_at=slice(-1, None)).logits[0, -1]  # [V]
-    top = torch.topk(logits, 2).values
+    top = torch.topk(logits, 2).values  # [2]
     return float(top[0] - top[1])
 
 

@@ -36,11 +36,11 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     old_context = scaling.get("original_max_position_embeddings", 8192)
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # [D/2]
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)  # [D/2]
+    blended = (1 - smooth) * scaled / factor + smooth * scaled  # [D/2]
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)  # [D/2]
     return torch.where(is_medium, blended, scaled)
 
 

@@ -168,13 +168,13 @@ class Transformer(nn.Module):
         if new == 1 and uniform and tree is None and not needs_window:
             return None  # one new token per sequence sees every cached slot
         device = positions.device
-        starts = torch.tensor(cache.lengths, device=device).view(batch, 1, 1)
+        starts = torch.tensor(cache.lengths, device=device).view(batch, 1, 1)  # [B, 1, 1] first new slot
         relative = torch.arange(used, device=device).view(1, 1, used) - starts  # [B, 1, S] index among new
-        query = torch.arange(new, device=device).view(1, new, 1)
+        query = torch.arange(new, device=device).view(1, new, 1)  # [1, T, 1] each query's index among new
         if tree is None:
             visible = relative <= query  # [B, T, S]: causal over new tokens, all of the past
         else:
-            in_new = (relative >= 0) & (relative < new)
+            in_new = (relative >= 0) & (relative < new)  # [B, 1, S]
             tree_cols = tree.gather(2, relative.clamp(0, new - 1).expand(batch, new, used))  # [B, T, S]
             visible = (relative < 0) | (in_new & tree_cols)
         if needs_window:
