@@ -46,13 +46,16 @@ def _reference_rejection(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen
 
 
 def _reference_match(draft: list[int], p: torch.Tensor, generator: torch.Generator) -> list[int]:
-    target_samples = torch.multinomial(p, 1, generator=generator).squeeze(1).tolist()  # one draw per row
+    """Rejection sampling against a one-hot q, one token at a time (the draws line up with the vectorised rule)."""
+    uniforms = torch.rand(len(draft), generator=generator).tolist()
     committed = []
-    for x, y in zip(draft, target_samples):
-        if x != y:
-            return committed + [y]
+    for i, x in enumerate(draft):
+        if not uniforms[i] < float(p[i, x]):
+            residual = p[i].clone()
+            residual[x] = 0
+            return committed + [int(torch.multinomial(residual, 1, generator=generator))]
         committed.append(x)
-    return committed + [target_samples[len(draft)]]
+    return committed + [int(torch.multinomial(p[len(draft)], 1, generator=generator))]
 
 
 def _random_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
