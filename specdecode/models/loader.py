@@ -129,7 +129,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "non
         )
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    model.setup_rope(rope_factors)
+    model.finish_loading(rope_factors)
     if quant != "none":
         quantize_linears(model, quant, group_size)
     elif can_pack(model):

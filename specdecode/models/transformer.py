@@ -109,8 +109,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RopeTable | None = None
 
-    def setup_rope(self, rope_factors: torch.Tensor | None = None) -> None:
-        """Build the cos/sin table once the weights (and so the dtype and device) are final."""
+    def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
+        """Once the weights (and so dtype and device) are final: tie the output head to the embedding where
+        the config says so, and build the cos/sin table."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         weight = self.embed.weight
