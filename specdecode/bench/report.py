@@ -97,7 +97,7 @@ def plot_speedup(path: Path, summaries: dict[str, dict], categories: dict[str, d
 
     names = list(categories)
     groups = list(categories[names[0]]) + ["overall"]
-    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(groups) * max(1, len(names)) / 3), 5))
+    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.25 * len(groups) * len(names))), 5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [categories[name][g]["speedup"] for g in groups[:-1]] + [summaries[name]["speedup"]]
