@@ -48,14 +48,19 @@ class HFPeer:
                             min_p=sampling.min_p or None)
         if method == "hf:prompt-lookup":
             settings["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        extra = {"assistant_model": self.assistant} if method == "hf:assisted" else {}
+        if sampling.stop:  # transformers keeps the stop string in its text; ids agree up to that token
+            settings["stop_strings"] = list(sampling.stop)
+            extra["tokenizer"] = tokenizer.hf
+        if sampling.ignore_eos:
+            settings["min_new_tokens"] = sampling.max_tokens  # transformers' way of generating past EOS
         config = GenerationConfig(**settings)
-        assistant = {"assistant_model": self.assistant} if method == "hf:assisted" else {}
 
         def run_turn(messages: list[dict]) -> TurnOutput:
             prompt = torch.tensor([tokenizer.encode_chat(messages)])  # [1, P]
             with torch.inference_mode():
                 output = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                             generation_config=config, **assistant)  # [1, P+N]
+                                             generation_config=config, **extra)  # [1, P+N]
             ids = output[0, prompt.shape[1]:].tolist()
             return TurnOutput(tokenizer.decode(ids), len(ids), ids)
 

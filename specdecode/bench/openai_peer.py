@@ -62,8 +62,10 @@ class OpenAIPeer:
             body = {"model": self.model, "messages": messages, "max_tokens": sampling.max_tokens,
                     "temperature": sampling.temperature, "top_p": sampling.top_p, "stream": True,
                     "stream_options": {"include_usage": True}}
-            if sampling.seed is not None:
-                body["seed"] = sampling.seed
+            # The same request as ours; top_k, min_p and ignore_eos are extensions llama-server and vLLM read.
+            optional = {"seed": sampling.seed, "stop": list(sampling.stop) or None, "top_k": sampling.top_k or None,
+                        "min_p": sampling.min_p or None, "ignore_eos": sampling.ignore_eos or None}
+            body.update({key: value for key, value in optional.items() if value is not None})
             text, info = stream_chat(f"{self.url}/v1/chat/completions", body)
             # The API returns text, not ids: count tokens as the server reports them.
             return TurnOutput(text, info["completion_tokens"], None, None, info)
