@@ -37,26 +37,27 @@ def run_generate(args: argparse.Namespace) -> int:
     stats: GenerationStats = event.stats
     report = {"text": "".join(text), "token_ids": token_ids, "finish_reason": event.finish_reason,
               "stats": stats.to_dict()}
+    if not args.json:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if not args.quiet:
+            print(stats_line(stats), file=sys.stderr)
     if args.compare_plain:
         report["plain"] = compare_plain(engine, prompt, sampling, args, token_ids, stats)
     if args.json:
         print(json.dumps(report))
-    else:
-        sys.stdout.write("\n")
-        if not args.quiet:
-            print(stats_line(stats), file=sys.stderr)
-            if args.compare_plain:
-                plain = report["plain"]
-                identical = "n/a (sampling)" if plain["identical"] is None else plain["identical"]
-                print(f"plain decoding: {plain['tokens_per_second']:.2f} tokens/s; speculative speedup "
-                      f"{plain['speedup']:.2f}x; identical output: {identical}", file=sys.stderr)
+    elif args.compare_plain and not args.quiet:
+        plain = report["plain"]
+        identical = "n/a (sampling)" if plain["identical"] is None else plain["identical"]
+        print(f"plain decoding: {plain['tokens_per_second']:.2f} tokens/s; speculative speedup "
+              f"{plain['speedup']:.2f}x; identical output: {identical}", file=sys.stderr)
     return 0
 
 
 def compare_plain(engine: Engine, prompt: str, sampling, args, token_ids: list[int], stats: GenerationStats) -> dict:
     """The same prompt through plain decoding in the same process: the honest baseline for the speedup."""
     if not args.quiet and not args.json:
-        print("\n[plain decoding for comparison...]", file=sys.stderr)
+        print("[plain decoding on the same prompt, for comparison...]", file=sys.stderr)
     plain = engine.complete(prompt, sampling, SpecConfig("none"), raw=args.raw)
     if plain.stats.tokens_per_second == 0:
         raise SpecDecodeError("plain decoding produced no tokens to compare against")
