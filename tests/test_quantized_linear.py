@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,7 @@ from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.models.loader import load_model
+from specdecode.models.gguf_int4 import q4_k_groups
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear, quantize_linears
 
 
@@ -38,7 +43,7 @@ def test_int8_matches_its_own_dequantized_weight_and_stays_near_float():
 def test_int4_groups_reproduce_their_dequantized_weight(group_size):
     layer = linear()
     x = torch.randn(3, 128)
-    quantized = Int4Linear(layer, group_size)
+    quantized = Int4Linear.from_linear(layer, group_size)
     # Rebuild w = low + q * scale group by group, as the layer defines it, straight from the float weight.
     groups = layer.weight.detach().reshape(48, 128 // group_size, group_size)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -52,13 +57,13 @@ def test_int4_groups_reproduce_their_dequantized_weight(group_size):
 def test_three_dimensional_activations_keep_their_shape():
     layer = linear(bias=False)
     x = torch.randn(2, 4, 128)  # [B, T, K]
-    for quantized in (Int8Linear(layer), Int4Linear(layer, 32)):
+    for quantized in (Int8Linear(layer), Int4Linear.from_linear(layer, 32)):
         assert quantized(x).shape == (2, 4, 48)
 
 
 def test_int4_needs_divisible_inputs():
     with pytest.raises(SpecDecodeError, match="divisible by the group size 32"):
-        Int4Linear(linear(in_features=48), 32)
+        Int4Linear.from_linear(linear(in_features=48), 32)
 
 
 def test_quantize_linears_replaces_every_linear_including_the_head(tmp_path):
@@ -92,3 +97,43 @@ def test_quantized_target_is_lossless_against_itself(tmp_path):
     plain = engine.complete("hello hello hello", sampling, SpecConfig("none"))
     for method in ("ngram", "draft", "ngram,draft"):
         assert engine.complete("hello hello hello", sampling, SpecConfig(method)).token_ids == plain.token_ids
+
+
+def q4_k_tensor(rows: int, columns: int, seed: int = 0) -> SimpleNamespace:
+    """Random but valid Q4_K blocks shaped like a GGUF reader's tensor (gguf-py has no Q4_K quantizer)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, 144), dtype=np.uint8)  # [B, 144]
+    blocks[:, 0:2] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)  # d
+    blocks[:, 2:4] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)  # dmin
+    return SimpleNamespace(data=blocks.reshape(rows, -1), shape=np.array([columns, rows]),
+                           tensor_type=gguf.GGMLQuantizationType.Q4_K)
+
+
+def test_q4_k_blocks_become_int4_groups_with_the_same_weights():
+    tensor = q4_k_tensor(rows=16, columns=512)
+    reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))  # [N, K]
+    codes, scales, zeros = q4_k_groups(tensor)
+    rebuilt = ((codes.float() - 8).reshape(16, 16, 32) * scales[..., None] + zeros[..., None]).reshape(16, 512)
+    assert torch.allclose(rebuilt, reference, atol=1e-6)
+    layer = Int4Linear(codes, scales, zeros, None, 32, torch.float32)
+    x = torch.randn(3, 512)
+    assert torch.allclose(layer(x), x @ reference.t(), atol=1e-4)
+
+
+@pytest.mark.real_model
+def test_default_draft_int4_layers_carry_the_gguf_weights_exactly():
+    from specdecode.models.loader import resolve_folder
+    from specdecode.models.registry import DEFAULT_DRAFT
+
+    model = load_model(DEFAULT_DRAFT, dtype="float32", quiet=True, quant="int4").model
+    _, gguf_path = resolve_folder(DEFAULT_DRAFT, torch.float32, quiet=True)
+    reader = gguf.GGUFReader(gguf_path)
+    q4_k = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K]
+    assert q4_k, "the default draft has Q4_K tensors"
+    down = {t.name: t for t in q4_k}
+    name = next(n for n in down if n.endswith("ffn_down.weight"))
+    layer = model.layers[int(name.split(".")[1])].mlp.down
+    reference = torch.from_numpy(gguf.quants.dequantize(down[name].data, down[name].tensor_type))  # [N, K]
+    identity = torch.eye(reference.shape[1])  # [K, K]: the layer applied to it is its weight, transposed
+    with torch.inference_mode():
+        assert torch.allclose(layer(identity).t(), reference, atol=1e-6)

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import convert_gguf
+from specdecode.models.gguf_int4 import Q4_K_GROUP, replace_q4_k_linears
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
 from specdecode.models.quantized_linear import check_quant, quantize_linears
@@ -67,22 +68,23 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     check_quant(quant, group_size)
-    folder = resolve_folder(str(name_or_path), torch_dtype, quiet)
-    model = load_folder(folder, torch_dtype, device, quant, group_size)
+    folder, gguf_path = resolve_folder(str(name_or_path), torch_dtype, quiet)
+    model = load_folder(folder, torch_dtype, device, quant, group_size, gguf_path)
     tokenizer = Tokenizer.from_folder(folder, model.config)
     return LoadedModel(str(name_or_path), model, tokenizer, folder)
 
 
-def resolve_folder(name_or_path: str, dtype: torch.dtype, quiet: bool) -> Path:
-    if name_or_path in DEFAULT_MODELS:
-        return converted_folder(assemble(DEFAULT_MODELS[name_or_path], quiet=quiet), dtype, quiet)
+def resolve_folder(name_or_path: str, dtype: torch.dtype, quiet: bool) -> tuple[Path, Path | None]:
+    """-> the Hugging Face-style folder to load, and the GGUF file it was converted from (if any)."""
     path = Path(name_or_path).expanduser()
+    if name_or_path in DEFAULT_MODELS:
+        path = assemble(DEFAULT_MODELS[name_or_path], quiet=quiet)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_folder(path, dtype, quiet)
+        return converted_folder(path, dtype, quiet), path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SpecDecodeError(f"{path} has no config.json; a model folder needs config.json and *.safetensors")
-        return path
+        return path, None
     if path.exists():
         raise SpecDecodeError(f"{path} is neither a .gguf file nor a model folder")
     raise SpecDecodeError(
@@ -101,8 +103,8 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype, quiet: bool) -> Path:
     return convert_gguf(gguf_path, folder, dtype, quiet)
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "none",
-                group_size: int = 32) -> Transformer:
+def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "none", group_size: int = 32,
+                gguf_path: Path | None = None) -> Transformer:
     try:
         hf_config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as error:
@@ -130,8 +132,10 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "non
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.finish_loading(rope_factors)
+    if quant == "int4" and group_size == Q4_K_GROUP and gguf_path is not None:
+        replace_q4_k_linears(model, gguf_path)  # the file's own 4-bit weights, not a requantization
     if quant != "none":
-        quantize_linears(model, quant, group_size)
+        quantize_linears(model, quant, group_size)  # every layer still in float
     elif can_pack(model):
         pack_linears(model)
     return model.eval()

@@ -45,8 +45,20 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """4-bit codes q in [0, 15] per group of `group_size` inputs: w = (q - 8) * scale + zero."""
 
-    def __init__(self, linear: nn.Linear, group_size: int):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int, dtype: torch.dtype):
+        """codes [N, K] int32 in [0, 15]; scales, zeros [N, K/G]; the kernel wants them in the activations' dtype."""
         super().__init__()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(dtype))
+        self.group_size = group_size
+        self.bias = bias
+        self.out_features = codes.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        """Min-max quantization of each group of a float weight."""
         out_features, in_features = linear.weight.shape
         if in_features % group_size:
             raise SpecDecodeError(f"int4 needs input sizes divisible by the group size {group_size}; "
@@ -56,13 +68,8 @@ class Int4Linear(nn.Module):
         scales = ((high - low) / 15).clamp_min(1e-12)  # [N, K/G]
         codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [N, K/G, G]
         codes = codes.to(torch.int32).reshape(out_features, in_features)  # [N, K]
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         zeros = low + 8 * scales  # [N, K/G]: moves the kernel's (q - 8) back to low + q * scale
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(linear.weight.dtype))
-        self.group_size = group_size
-        self.bias = linear.bias
-        self.out_features = out_features
+        return cls(codes, scales, zeros, linear.bias, group_size, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [R, K]
@@ -83,4 +90,4 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child) if mode == "int8" else Int4Linear(child, group_size))
+                setattr(parent, name, Int8Linear(child) if mode == "int8" else Int4Linear.from_linear(child, group_size))

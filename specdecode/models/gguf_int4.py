@@ -1,0 +1,72 @@
+"""Q4_K tensors of a GGUF file as int4 layers, exactly.
+
+A Q4_K super-block of 256 weights holds 8 groups of 32 with 4-bit codes q, a 6-bit scale sc and min m per group,
+and f16 factors d, dmin: w = d*sc*q - dmin*m. The int4 kernel computes w = (q - 8)*s + z per group of 32, so
+s = d*sc and z = 8*s - dmin*m reproduce the file's weights with no requantization (up to the rounding of s
+and z to the activations' dtype).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdecode.models.gguf_convert import field_value, open_gguf, unpermute_llama_qk
+from specdecode.models.quantized_linear import Int4Linear
+
+Q4_K_GROUP = 32
+_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed scales and mins, 128 bytes of 4-bit codes
+
+
+def q4_k_groups(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K GGUF tensor -> codes [N, K] int32, scales [N, K/32] and zeros [N, K/32] float32."""
+    from gguf.quants import Q4_K
+
+    rows, columns = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
+    blocks = np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES)  # [B, 144], B = N*K/256
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [B, 8] each
+    packed = blocks[:, 16:].reshape(-1, 4, 1, 32)  # [B, 4, 1, 32]: 32 bytes hold two groups of 32 codes
+    codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [B, 4, 2, 32]
+    scales = d * sc.astype(np.float32)  # [B, 8]
+    zeros = 8 * scales - dmin * m.astype(np.float32)  # [B, 8]
+    return (torch.from_numpy(codes.reshape(rows, columns).astype(np.int32)),
+            torch.from_numpy(scales.reshape(rows, columns // Q4_K_GROUP)),
+            torch.from_numpy(zeros.reshape(rows, columns // Q4_K_GROUP)))
+
+
+def replace_q4_k_linears(model: nn.Module, gguf_path: Path) -> int:
+    """Swap every linear layer whose GGUF sources are all Q4_K for the exact int4 layer; -> how many."""
+    from gguf import GGMLQuantizationType
+
+    reader = open_gguf(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = model.config
+    permute = field_value(reader, "general.architecture") == "llama"
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    sources: dict[str, list[str]] = {"lm_head": [head]}
+    for i in range(config.num_layers):
+        block = f"blk.{i}."
+        sources[f"layers.{i}.attn.qkv"] = [block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"]
+        sources[f"layers.{i}.attn.o"] = [block + "attn_output.weight"]
+        sources[f"layers.{i}.mlp.gate_up"] = [block + "ffn_gate.weight", block + "ffn_up.weight"]
+        sources[f"layers.{i}.mlp.down"] = [block + "ffn_down.weight"]
+    replaced = 0
+    for module_name, names in sources.items():
+        if not all(tensors[n].tensor_type == GGMLQuantizationType.Q4_K for n in names):
+            continue
+        parts = [q4_k_groups(tensors[n]) for n in names]
+        if permute and module_name.endswith("attn.qkv"):  # undo llama.cpp's row interleave of q and k
+            parts[0] = tuple(unpermute_llama_qk(t, config.num_heads) for t in parts[0])
+            parts[1] = tuple(unpermute_llama_qk(t, config.num_kv_heads) for t in parts[1])
+        codes, scales, zeros = (torch.cat([part[k] for part in parts]) for k in range(3))  # stacked output rows
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        setattr(parent, attr, Int4Linear(codes, scales, zeros, getattr(old, "bias", None), Q4_K_GROUP, model.dtype))
+        replaced += 1
+    return replaced
