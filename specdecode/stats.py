@@ -35,12 +35,17 @@ class GenerationStats:
             self.rejections += accepted < drafted
             self.drafted_by[source] = self.drafted_by.get(source, 0) + drafted
             self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
-        while len(self.drafted_per_position) < drafted:
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
+        self.cover_positions(drafted)
         for position in range(drafted):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < accepted
+
+    def cover_positions(self, count: int) -> None:
+        """Grow the per-position counters to at least `count` draft positions."""
+        missing = count - len(self.drafted_per_position)
+        if missing > 0:
+            self.drafted_per_position += [0] * missing
+            self.accepted_per_position += [0] * missing
 
     @property
     def acceptance_rate(self) -> float:
@@ -110,10 +115,8 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
                      "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "draft_seconds",
                      "verify_seconds", "total_seconds"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.cover_positions(len(part.drafted_per_position))
         for position, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):
-            if position == len(total.drafted_per_position):
-                total.drafted_per_position.append(0)
-                total.accepted_per_position.append(0)
             total.drafted_per_position[position] += drafted
             total.accepted_per_position[position] += accepted
         for source, count in part.drafted_by.items():

@@ -7,6 +7,8 @@ Packing once at load time keeps each call a single pass over the weight, with bi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,9 +35,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear in `model` by its packed form, in place."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace every nn.Linear in `model` (the output head included) by make(linear), in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, make(child))
+
+
+def pack_linears(model: nn.Module) -> None:
+    replace_linears(model, PackedLinear)

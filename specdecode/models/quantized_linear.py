@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.packed_linear import replace_linears
 
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
@@ -87,7 +88,4 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> None:
         return
     if next(model.parameters()).device.type != "cpu":
         raise SpecDecodeError(f"--quant {mode} runs on the CPU kernels; use --device cpu or --quant none")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child) if mode == "int8" else Int4Linear.from_linear(child, group_size))
+    replace_linears(model, Int8Linear if mode == "int8" else lambda linear: Int4Linear.from_linear(linear, group_size))
