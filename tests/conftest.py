@@ -74,6 +74,17 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, 
     return folder
 
 
+@pytest.fixture(autouse=True)
+def cache(request, tmp_path, monkeypatch) -> Path | None:
+    """Tiny models' conversions and quantized copies go to a per-test cache, never the user's; real-model tests
+    keep the shared one, so the default models are assembled once."""
+    if request.node.get_closest_marker("real_model") is not None:
+        return None
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> folder of a tiny random model, built once per session."""

@@ -4,7 +4,6 @@ and one clear SpecDecodeError for each way a user can point us at something brok
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import shutil
 from pathlib import Path
@@ -13,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, TINY_VOCAB, byte_tokenizer, save_tiny_model
-from safetensors import safe_open
+from conftest import TINY_VOCAB, byte_tokenizer, save_tiny_model
+from gguf_files import F16, F32, Q8_0, hf_weights, llama3_rope_factors, write_gguf
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import loader
@@ -22,137 +21,7 @@ from specdecode.models.loader import load_model
 
 # Same op-order rounding budget as tests/test_transformer.py: both sides fp32 on identical weights.
 LOGITS_ATOL = 1e-4
-Q8_0, F16, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
 TEXT = "Hello world: café, 世界 and 🙂!"
-
-# Hugging Face name (after "model.layers.N.") -> GGUF name and the type we store it as: a realistic mix of
-# lossy Q8_0 and lossless F16/F32, as llama.cpp's converter writes (norms and biases stay F32).
-_BLOCK = {
-    "input_layernorm.weight": ("attn_norm.weight", F32),
-    "self_attn.q_proj.weight": ("attn_q.weight", F16),
-    "self_attn.k_proj.weight": ("attn_k.weight", Q8_0),
-    "self_attn.v_proj.weight": ("attn_v.weight", Q8_0),
-    "self_attn.q_proj.bias": ("attn_q.bias", F32),
-    "self_attn.k_proj.bias": ("attn_k.bias", F32),
-    "self_attn.v_proj.bias": ("attn_v.bias", F32),
-    "self_attn.o_proj.weight": ("attn_output.weight", F16),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", F32),
-    "mlp.gate_proj.weight": ("ffn_gate.weight", Q8_0),
-    "mlp.up_proj.weight": ("ffn_up.weight", F16),
-    "mlp.down_proj.weight": ("ffn_down.weight", Q8_0),
-}
-_GLOBAL = {
-    "model.embed_tokens.weight": ("token_embd.weight", Q8_0),
-    "model.norm.weight": ("output_norm.weight", F32),
-    "lm_head.weight": ("output.weight", F16),
-}
-
-
-def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
-    """What convert_hf_to_gguf.py does to llama q/k rows (LlamaModel.permute): interleave the rotary halves."""
-    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
-def llama3_rope_factors(scaling: dict, head_dim: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's rope_freqs tensor for llama3 scaling (transformers 5's rope_parameters)."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    factors = []
-    for freq in 1.0 / (scaling["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_context / high:
-            factors.append(1.0)
-        elif wavelen > old_context / low:
-            factors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
-def hf_weights(folder: Path) -> dict[str, np.ndarray]:
-    with safe_open(str(folder / "model.safetensors"), framework="np") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
-
-
-def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
-    """The conftest byte vocabulary (same ids) plus two merges, padded to the embedding size like Qwen's files."""
-    vocab = byte_tokenizer().get_vocab()
-    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    types = [int(gguf.TokenType.CONTROL if token.startswith("<|") else gguf.TokenType.NORMAL) for token in tokens]
-    merges = ["Ġ t", "h e"]
-    for merged in ("Ġt", "he"):
-        tokens.append(merged)
-        types.append(int(gguf.TokenType.NORMAL))
-    while len(tokens) < TINY_VOCAB:
-        tokens.append(f"[PAD{len(tokens)}]")
-        types.append(int(gguf.TokenType.UNUSED))
-    return tokens, types, merges
-
-
-def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
-               rope_factors: np.ndarray | None = None) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
-    """Writes `hf_folder`'s model as a GGUF file the way llama.cpp's converter would.
-
-    Returns HF name -> (the array stored in the file, its type), to check the conversion against.
-    """
-    config = json.loads((hf_folder / "config.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    tokens, types, merges = gguf_tokens()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))  # like Qwen's files: <|im_end|> must come from the vocab
-    writer.add_chat_template(CHAT_TEMPLATE)
-
-    stored = {}
-    for name, weight in hf_weights(hf_folder).items():
-        if name in _GLOBAL:
-            gguf_name, qtype = _GLOBAL[name]
-        else:
-            _, _, block, rest = name.split(".", 3)
-            gguf_name, qtype = _BLOCK[rest]
-            gguf_name = f"blk.{block}.{gguf_name}"
-        if arch == "llama" and ".attn_q." in gguf_name:
-            weight = llama_cpp_permute(weight, heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
-            weight = llama_cpp_permute(weight, kv_heads)
-        if not quantized or weight.ndim == 1:
-            qtype = F32
-        data = gguf.quants.quantize(weight.astype(np.float32), qtype)
-        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-        stored[name] = (data, qtype)
-    if rope_factors is not None:
-        writer.add_tensor("rope_freqs.weight", rope_factors, raw_dtype=F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    path = tmp_path / "cache"
-    monkeypatch.setenv("SPECDECODE_CACHE", str(path))
-    return path
-
 
 @torch.no_grad()
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import save_tiny_model
+from gguf_files import Q4_K, random_k_blocks
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.models.gguf_int4 import q4_k_groups
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear, quantize_linears
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear
 
 
 def linear(out_features=48, in_features=128, bias=True, seed=0) -> nn.Linear:
@@ -29,7 +30,7 @@ def linear(out_features=48, in_features=128, bias=True, seed=0) -> nn.Linear:
 def test_int8_matches_its_own_dequantized_weight_and_stays_near_float():
     layer = linear()
     x = torch.randn(5, 128)  # [R, K]
-    quantized = Int8Linear(layer)
+    quantized = Int8Linear.from_linear(layer)
     dequantized = quantized.weight.float() * quantized.scales.float()[:, None]  # [N, K]
     out = quantized(x)
     # The kernel computes exactly x @ (q * s)^T + b up to fp32 summation order.
@@ -57,7 +58,7 @@ def test_int4_groups_reproduce_their_dequantized_weight(group_size):
 def test_three_dimensional_activations_keep_their_shape():
     layer = linear(bias=False)
     x = torch.randn(2, 4, 128)  # [B, T, K]
-    for quantized in (Int8Linear(layer), Int4Linear.from_linear(layer, 32)):
+    for quantized in (Int8Linear.from_linear(layer), Int4Linear.from_linear(layer, 32)):
         assert quantized(x).shape == (2, 4, 48)
 
 
@@ -66,13 +67,13 @@ def test_int4_needs_divisible_inputs():
         Int4Linear.from_linear(linear(in_features=48), 32)
 
 
-def test_quantize_linears_replaces_every_linear_including_the_head(tmp_path):
-    model = load_model(save_tiny_model(tmp_path / "m", "qwen2", scale=0.15), dtype="float32").model
-    quantize_linears(model, "int8")
+def test_quantized_load_replaces_every_linear_including_the_head(tmp_path):
+    folder = save_tiny_model(tmp_path / "m", "qwen2", scale=0.15)
+    model = load_model(folder, dtype="float32", quant="int8").model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, Int8Linear)
     with pytest.raises(SpecDecodeError, match="unknown quantization 'int3'"):
-        quantize_linears(model, "int3")
+        load_model(folder, dtype="float32", quant="int3")
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -99,14 +100,10 @@ def test_quantized_target_is_lossless_against_itself(tmp_path):
         assert engine.complete("hello hello hello", sampling, SpecConfig(method)).token_ids == plain.token_ids
 
 
-def q4_k_tensor(rows: int, columns: int, seed: int = 0) -> SimpleNamespace:
-    """Random but valid Q4_K blocks shaped like a GGUF reader's tensor (gguf-py has no Q4_K quantizer)."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * columns // 256, 144), dtype=np.uint8)  # [B, 144]
-    blocks[:, 0:2] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)  # d
-    blocks[:, 2:4] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)  # dmin
-    return SimpleNamespace(data=blocks.reshape(rows, -1), shape=np.array([columns, rows]),
-                           tensor_type=gguf.GGMLQuantizationType.Q4_K)
+def q4_k_tensor(rows: int, columns: int) -> SimpleNamespace:
+    """Random valid Q4_K blocks shaped like a GGUF reader's tensor (gguf-py has no Q4_K quantizer)."""
+    return SimpleNamespace(data=random_k_blocks(Q4_K, rows, columns), shape=np.array([columns, rows]),
+                           tensor_type=Q4_K)
 
 
 def test_q4_k_blocks_become_int4_groups_with_the_same_weights():
@@ -115,18 +112,18 @@ def test_q4_k_blocks_become_int4_groups_with_the_same_weights():
     codes, scales, zeros = q4_k_groups(tensor)
     rebuilt = ((codes.float() - 8).reshape(16, 16, 32) * scales[..., None] + zeros[..., None]).reshape(16, 512)
     assert torch.allclose(rebuilt, reference, atol=1e-6)
-    layer = Int4Linear(codes, scales, zeros, None, 32, torch.float32)
+    layer = Int4Linear.from_codes(codes, scales, zeros, None, 32, torch.float32)
     x = torch.randn(3, 512)
     assert torch.allclose(layer(x), x @ reference.t(), atol=1e-4)
 
 
 @pytest.mark.real_model
 def test_default_draft_int4_layers_carry_the_gguf_weights_exactly():
-    from specdecode.models.loader import resolve_folder
+    from specdecode.models.loader import resolve_source
     from specdecode.models.registry import DEFAULT_DRAFT
 
     model = load_model(DEFAULT_DRAFT, dtype="float32", quiet=True, quant="int4").model
-    _, gguf_path = resolve_folder(DEFAULT_DRAFT, torch.float32, quiet=True)
+    gguf_path = resolve_source(DEFAULT_DRAFT, quiet=True)
     reader = gguf.GGUFReader(gguf_path)
     q4_k = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K]
     assert q4_k, "the default draft has Q4_K tensors"

@@ -14,13 +14,6 @@ from specdecode.models import registry
 from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, DefaultModel, assemble
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    path = tmp_path / "cache"
-    monkeypatch.setenv("SPECDECODE_CACHE", str(path))
-    return path
-
-
 def make_model(tmp_path, monkeypatch, prefix, contents, sha256=None, size=None) -> DefaultModel:
     """Writes one fake part package per entry of `contents` and a DefaultModel over them, in that order."""
     packages = tmp_path / "site"

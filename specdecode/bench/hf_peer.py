@@ -11,7 +11,7 @@ import torch
 from specdecode.bench.runner import MethodSpec, TurnOutput, TurnRunner
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import LoadedModel
+from specdecode.models.loader import LoadedModel, float_folder
 
 HF_METHODS = ("hf:plain", "hf:assisted", "hf:prompt-lookup")
 
@@ -21,10 +21,15 @@ class HFPeer:
         from transformers import AutoModelForCausalLM
 
         self.target = target
-        self.model = AutoModelForCausalLM.from_pretrained(str(target.folder), dtype=target.model.dtype).eval()
-        self.assistant = (AutoModelForCausalLM.from_pretrained(str(draft.folder), dtype=draft.model.dtype).eval()
-                          if draft is not None else None)
+        self.model = self._load(AutoModelForCausalLM, target)
+        self.assistant = self._load(AutoModelForCausalLM, draft) if draft is not None else None
         self.prompt_lookup_tokens = prompt_lookup_tokens
+
+    @staticmethod
+    def _load(auto_class, loaded: LoadedModel):
+        """Float weights in our model's dtype: transformers has no kernels for our int8/int4 layers."""
+        folder = float_folder(loaded.name, loaded.model.dtype)
+        return auto_class.from_pretrained(str(folder), dtype=loaded.model.dtype).eval()
 
     def methods(self) -> list[MethodSpec]:
         specs = [MethodSpec("hf:plain", "hf", "hf:plain")]

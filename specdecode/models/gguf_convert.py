@@ -171,7 +171,7 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
     try:
         save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config.to_hf() | {"torch_dtype": str(dtype)[6:]}, indent=1))
-        _write_tokenizer(path, staging, config)
+        write_tokenizer(path, staging, config)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
@@ -181,7 +181,7 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
     return out_dir
 
 
-def _write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
+def write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
     from transformers import AutoTokenizer
 
     try:

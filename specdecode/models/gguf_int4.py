@@ -8,14 +8,8 @@ and z to the activations' dtype).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
-from torch import nn
-
-from specdecode.models.gguf_convert import field_value, open_gguf, unpermute_llama_qk
-from specdecode.models.quantized_linear import Int4Linear
 
 Q4_K_GROUP = 32
 _BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed scales and mins, 128 bytes of 4-bit codes
@@ -37,36 +31,3 @@ def q4_k_groups(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.from_numpy(codes.reshape(rows, columns).astype(np.int32)),
             torch.from_numpy(scales.reshape(rows, columns // Q4_K_GROUP)),
             torch.from_numpy(zeros.reshape(rows, columns // Q4_K_GROUP)))
-
-
-def replace_q4_k_linears(model: nn.Module, gguf_path: Path) -> int:
-    """Swap every linear layer whose GGUF sources are all Q4_K for the exact int4 layer; -> how many."""
-    from gguf import GGMLQuantizationType
-
-    reader = open_gguf(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = model.config
-    permute = field_value(reader, "general.architecture") == "llama"
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    sources: dict[str, list[str]] = {"lm_head": [head]}
-    for i in range(config.num_layers):
-        block = f"blk.{i}."
-        sources[f"layers.{i}.attn.qkv"] = [block + "attn_q.weight", block + "attn_k.weight", block + "attn_v.weight"]
-        sources[f"layers.{i}.attn.o"] = [block + "attn_output.weight"]
-        sources[f"layers.{i}.mlp.gate_up"] = [block + "ffn_gate.weight", block + "ffn_up.weight"]
-        sources[f"layers.{i}.mlp.down"] = [block + "ffn_down.weight"]
-    replaced = 0
-    for module_name, names in sources.items():
-        if not all(tensors[n].tensor_type == GGMLQuantizationType.Q4_K for n in names):
-            continue
-        parts = [q4_k_groups(tensors[n]) for n in names]
-        if permute and module_name.endswith("attn.qkv"):  # undo llama.cpp's row interleave of q and k
-            parts[0] = tuple(unpermute_llama_qk(t, config.num_heads) for t in parts[0])
-            parts[1] = tuple(unpermute_llama_qk(t, config.num_kv_heads) for t in parts[1])
-        codes, scales, zeros = (torch.cat([part[k] for part in parts]) for k in range(3))  # stacked output rows
-        parent_name, _, attr = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
-        setattr(parent, attr, Int4Linear(codes, scales, zeros, getattr(old, "bias", None), Q4_K_GROUP, model.dtype))
-        replaced += 1
-    return replaced

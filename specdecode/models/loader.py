@@ -1,7 +1,8 @@
 """Name or path -> ready model and tokenizer: a default name, a GGUF file, or a Hugging Face-style folder.
 
-GGUF files (the defaults included) are converted once into a cached Hugging Face-style folder; from then on
-every source loads the same way, from memory-mapped safetensors. Pickled weights are never read.
+In float, GGUF files (the defaults included) are converted once into a cached Hugging Face-style folder, and
+from then on every source loads the same way, from safetensors. Quantized models are built tensor by tensor
+straight from the source and cached in their packed form (quantized_model.py). Pickled weights are never read.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_convert import convert_gguf
-from specdecode.models.gguf_int4 import Q4_K_GROUP, replace_q4_k_linears
+from specdecode.models.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
-from specdecode.models.quantized_linear import check_quant, quantize_linears
+from specdecode.models.quantized_linear import check_quant
+from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
+from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
 from specdecode.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -33,7 +35,7 @@ class LoadedModel:
     name: str
     model: Transformer
     tokenizer: Tokenizer
-    folder: Path  # the Hugging Face-style folder the weights came from (converted, for GGUF sources)
+    folder: Path  # holds config.json and the tokenizer (a GGUF source's cached conversion or quantized copy)
 
     @property
     def config(self) -> ModelConfig:
@@ -60,37 +62,71 @@ def _cpu_has_bf16() -> bool:
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                quiet: bool = False, quant: str = "none", group_size: int = 32) -> LoadedModel:
-    """Load a default model name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
+    """Load a default name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
 
-    quant: "none", "int8" (per-channel) or "int4" (group-wise, `group_size` inputs per group), weight-only.
+    quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;
+    quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
     """
     torch_dtype = resolve_dtype(dtype, device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     check_quant(quant, group_size)
-    folder, gguf_path = resolve_folder(str(name_or_path), torch_dtype, quiet)
-    model = load_folder(folder, torch_dtype, device, quant, group_size, gguf_path)
+    if quant != "none" and device != "cpu":
+        raise SpecDecodeError(f"--quant {quant} runs on the CPU kernels; use --device cpu or --quant none")
+    source = resolve_source(str(name_or_path), quiet)
+    if quant == "none":
+        folder = converted_folder(source, torch_dtype, quiet) if source.is_file() else source
+        model = load_folder(folder, torch_dtype, device)
+    else:
+        model, folder = load_quantized_source(source, torch_dtype, quant, group_size, quiet)
     tokenizer = Tokenizer.from_folder(folder, model.config)
     return LoadedModel(str(name_or_path), model, tokenizer, folder)
 
 
-def resolve_folder(name_or_path: str, dtype: torch.dtype, quiet: bool) -> tuple[Path, Path | None]:
-    """-> the Hugging Face-style folder to load, and the GGUF file it was converted from (if any)."""
+def resolve_source(name_or_path: str, quiet: bool) -> Path:
+    """-> a .gguf file or a Hugging Face-style folder (default names are assembled from their packages)."""
     path = Path(name_or_path).expanduser()
     if name_or_path in DEFAULT_MODELS:
         path = assemble(DEFAULT_MODELS[name_or_path], quiet=quiet)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_folder(path, dtype, quiet), path
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SpecDecodeError(f"{path} has no config.json; a model folder needs config.json and *.safetensors")
-        return path, None
+        return path
     if path.exists():
         raise SpecDecodeError(f"{path} is neither a .gguf file nor a model folder")
     raise SpecDecodeError(
         f"unknown model {name_or_path!r}: not a default name ({', '.join(DEFAULT_MODELS)}), "
         "nor an existing .gguf file or model folder"
     )
+
+
+def float_folder(name_or_path: str, dtype: torch.dtype, quiet: bool = True) -> Path:
+    """The Hugging Face-style folder holding a model's float weights (a GGUF file's cached conversion)."""
+    source = resolve_source(name_or_path, quiet)
+    return converted_folder(source, dtype, quiet) if source.is_file() else source
+
+
+def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_size: int,
+                          quiet: bool) -> tuple[Transformer, Path]:
+    """-> the quantized model and the folder holding its config and tokenizer."""
+    if source.is_file():
+        weights = GGUFWeights(source)
+        config, files = weights.config, [source]
+    else:
+        config = read_config(source)
+        files = safetensors_files(source)
+        weights = FolderWeights(files)
+    cache = quantized_cache_folder(files, dtype, quant, group_size)
+
+    def write_gguf_tokenizer(folder: Path) -> None:  # the file's own vocabulary, merges and chat template
+        (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
+        write_tokenizer(source, folder, config)
+
+    extra = write_gguf_tokenizer if source.is_file() else None
+    model = load_quantized(weights, config, source, cache, dtype, quant, group_size, quiet, extra)
+    return model, cache if source.is_file() else source
 
 
 def converted_folder(gguf_path: Path, dtype: torch.dtype, quiet: bool) -> Path:
@@ -103,40 +139,35 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype, quiet: bool) -> Path:
     return convert_gguf(gguf_path, folder, dtype, quiet)
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: str, quant: str = "none", group_size: int = 32,
-                gguf_path: Path | None = None) -> Transformer:
+def read_config(folder: Path) -> ModelConfig:
     try:
-        hf_config = json.loads((folder / "config.json").read_text())
+        return ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     except json.JSONDecodeError as error:
         raise SpecDecodeError(f"{folder / 'config.json'} is not valid JSON ({error})") from None
-    config = ModelConfig.from_hf(hf_config)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
         hint = f" (found {', '.join(bins)}: pickled weights are never loaded; convert them to safetensors)" if bins else ""
         raise SpecDecodeError(f"{folder} has no *.safetensors weights{hint}")
-    hf_state = read_safetensors(files)
-    rope_factors = hf_state.pop("rope_freqs", None)
-    state = to_our_names(hf_state, config)
+    return files
+
+
+def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
+    config = read_config(folder)
+    hf_state = {k.removeprefix("model."): v for k, v in read_safetensors(safetensors_files(folder)).items()}
+    sources = parameter_sources(config)
+    check_sources(sources, set(hf_state), folder, config)
+    rope_factors = hf_state.get("rope_freqs")
+    state = {name: torch.cat([hf_state[n] for n in names]).to(device=device, dtype=dtype)
+             for name, names in sources.items()}
     with torch.device("meta"):
         model = Transformer(config)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise SpecDecodeError(
-            f"{folder}: weights do not match a {config.architecture} model"
-            + (f"; missing {', '.join(missing[:5])}" if missing else "")
-            + (f"; unexpected {', '.join(unexpected[:5])}" if unexpected else "")
-        )
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.finish_loading(rope_factors)
-    if quant == "int4" and group_size == Q4_K_GROUP and gguf_path is not None:
-        replace_q4_k_linears(model, gguf_path)  # the file's own 4-bit weights, not a requantization
-    if quant != "none":
-        quantize_linears(model, quant, group_size)  # every layer still in float
-    elif can_pack(model):
+    if can_pack(model):
         pack_linears(model)
     return model.eval()
 
@@ -151,35 +182,3 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as error:
             raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
     return state
-
-
-def to_our_names(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face parameter names -> ours, fusing q/k/v and gate/up so each layer streams two fewer weights."""
-    hf = {k.removeprefix("model."): v for k, v in hf.items()}
-    state = {"embed.weight": hf.pop("embed_tokens.weight", None), "norm.weight": hf.pop("norm.weight", None)}
-    if "lm_head.weight" in hf:
-        head = hf.pop("lm_head.weight")
-        if not config.tie_word_embeddings:
-            state["lm_head.weight"] = head
-    for i in range(config.num_layers):
-        dst = f"layers.{i}."
-
-        def take(name: str, prefix: str = dst) -> torch.Tensor | None:
-            return hf.pop(prefix + name, None)
-
-        state[dst + "attn_norm.weight"] = take("input_layernorm.weight")
-        state[dst + "mlp_norm.weight"] = take("post_attention_layernorm.weight")
-        for kind in ("weight", "bias"):
-            parts = [take(f"self_attn.{p}_proj.{kind}") for p in "qkv"]
-            if all(p is not None for p in parts):
-                state[dst + f"attn.qkv.{kind}"] = torch.cat(parts)
-            state[dst + f"attn.o.{kind}"] = take(f"self_attn.o_proj.{kind}")
-            gate, up = take(f"mlp.gate_proj.{kind}"), take(f"mlp.up_proj.{kind}")
-            if gate is not None and up is not None:
-                state[dst + f"mlp.gate_up.{kind}"] = torch.cat([gate, up])
-            state[dst + f"mlp.down.{kind}"] = take(f"mlp.down_proj.{kind}")
-        state[dst + "attn.q_norm.weight"] = take("self_attn.q_norm.weight")
-        state[dst + "attn.k_norm.weight"] = take("self_attn.k_norm.weight")
-    # Anything left over was not consumed: report it as unexpected rather than silently dropping it.
-    state.update(hf)
-    return {k: v for k, v in state.items() if v is not None}

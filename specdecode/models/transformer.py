@@ -108,12 +108,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RopeTable | None = None
+        self.rope_factors: torch.Tensor | None = None
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
-        """Once the weights (and so dtype and device) are final: tie the output head to the embedding where
-        the config says so, and build the cos/sin table."""
-        if self.config.tie_word_embeddings:
+        """Once the weights (and so dtype and device) are final: tie a float output head to the embedding where
+        the config says so (a quantized head has its own copy), and build the cos/sin table."""
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed.weight
+        self.rope_factors = rope_factors  # [D/2] llama3 divisors from a GGUF file; kept so a saved copy has them
         weight = self.embed.weight
         inv_freq = inverse_frequencies(self.config, rope_factors)
         self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, weight.dtype, weight.device)

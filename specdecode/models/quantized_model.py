@@ -1,0 +1,146 @@
+"""A weight-only quantized model, built straight from its source one layer at a time, and cached.
+
+Building reads one tensor, quantizes it and lets the float copy go, so peak memory stays near the quantized
+size (plus the largest single tensor in float32) instead of a whole float model. The result is saved in the
+kernels' own packed layout, so later starts only map a file.
+
+Which format each linear layer gets:
+- int8: every layer, per output channel.
+- int4 from a GGUF file: Q4_K tensors become int4 groups of 32 exactly (no requantization); tensors the file
+  keeps at 6 bits or more (Q6_K, Q8_0, F16, F32: the ones llama.cpp's mixed types protect) become int8; the
+  rest are requantized to int4 groups.
+- int4 from float weights: every layer in int4 groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.gguf_int4 import Q4_K_GROUP
+from specdecode.models.model_config import ModelConfig
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear
+from specdecode.models.registry import cache_dir
+from specdecode.models.transformer import Transformer
+from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
+
+# Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
+_FORMAT = "specdecode-quantized-1"
+WEIGHTS_FILE = "quantized.safetensors"
+
+
+def quantized_cache_folder(source_files: list[Path], dtype: torch.dtype, quant: str, group_size: int) -> Path:
+    """Keyed by the source files (path, size, mtime), dtype, mode, group size, torch version and format."""
+    parts = [f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in source_files]
+    parts += [str(dtype), quant, str(group_size), torch.__version__, _FORMAT]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+    mode = quant if quant == "int8" else f"{quant}-g{group_size}"
+    return cache_dir() / "quantized" / f"{source_files[0].stem}-{key}-{str(dtype)[6:]}-{mode}"
+
+
+def load_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, where: Path, cache: Path,
+                   dtype: torch.dtype, quant: str, group_size: int, quiet: bool,
+                   write_extra: Callable[[Path], None] | None = None) -> Transformer:
+    """From the cache when it holds this model, else built from `source` and then saved there together with
+    whatever `write_extra(folder)` adds (a GGUF file's tokenizer)."""
+    if (cache / WEIGHTS_FILE).is_file():
+        return read_quantized(cache / WEIGHTS_FILE, config, dtype)
+    model = build_quantized(source, config, where, dtype, quant, group_size, quiet)
+    save_quantized(model, cache, write_extra)
+    return model
+
+
+def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, where: Path, dtype: torch.dtype,
+                    quant: str, group_size: int, quiet: bool = False) -> Transformer:
+    sources = parameter_sources(config)
+    check_sources(sources, source.names(), where, config)
+    with torch.device("meta"):
+        model = Transformer(config)
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    floats = {}
+    for name, names in sources.items():
+        if name.removesuffix(".weight") not in linears:
+            floats[name] = torch.cat([source.get(n) for n in names]).to(dtype)  # norms, biases, embedding
+    model.load_state_dict(floats, strict=False, assign=True)
+    for name in tqdm(linears, desc=f"quantizing {where.name} to {quant}", unit="layer", disable=quiet):
+        weight_names = sources.get(f"{name}.weight", sources["embed.weight"])  # a tied head quantizes the embedding
+        layer = quantized_layer(source, weight_names, floats.get(f"{name}.bias"), quant, group_size, dtype)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    rope_factors = source.get("rope_freqs") if "rope_freqs" in source.names() else None
+    model.finish_loading(rope_factors)
+    return model.eval()
+
+
+def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias: torch.Tensor | None, quant: str,
+                    group_size: int, dtype: torch.dtype) -> nn.Module:
+    """One linear layer whose weight stacks the tensors `names` along the output dimension."""
+    if quant == "int4" and group_size == Q4_K_GROUP:
+        groups = [source.q4_k(n) for n in names]
+        if all(g is not None for g in groups):
+            codes, scales, zeros = (torch.cat([g[k] for g in groups]) for k in range(3))  # stacked output rows
+            return Int4Linear.from_codes(codes, scales, zeros, bias, Q4_K_GROUP, dtype)
+    weight = torch.cat([source.get(n) for n in names])  # [N, K] float32
+    if quant == "int8" or any(source.sensitive(n) for n in names):
+        return Int8Linear.from_weight(weight, bias, dtype)
+    return Int4Linear.from_weight(weight, bias, group_size, dtype)
+
+
+def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:
+    """Written to a staging folder and renamed, so an interrupted save is never mistaken for a cache hit."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.rope_factors is not None:
+        state["rope_freqs"] = model.rope_factors
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        save_file(state, staging / WEIGHTS_FILE, metadata={"format": _FORMAT})
+        if write_extra is not None:
+            write_extra(staging)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            # Copies, not views into the file: the kernels assume their own aligned allocations.
+            state = {key: handle.get_tensor(key).clone() for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise SpecDecodeError(f"{path} is corrupt or truncated ({error}); delete it to rebuild") from None
+    with torch.device("meta"):
+        model = Transformer(config)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        # Shells of the right kind and shape; load_state_dict below then checks every key.
+        bias = state.get(f"{name}.bias")
+        if f"{name}.packed" in state:
+            scales_and_zeros = state[f"{name}.scales_and_zeros"]  # [K/G, N, 2]
+            group_size = module.in_features // scales_and_zeros.shape[0]
+            layer = Int4Linear(state[f"{name}.packed"], scales_and_zeros, bias, group_size)
+        else:
+            layer = Int8Linear(state[f"{name}.weight"], state[f"{name}.scales"], bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    rope_factors = state.pop("rope_freqs", None)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.finish_loading(rope_factors)
+    if model.dtype != dtype:
+        raise SpecDecodeError(f"{path} holds a {model.dtype} model, not {dtype}; delete it to rebuild")
+    return model.eval()

@@ -1,0 +1,163 @@
+"""GGUF files for tests, written the way llama.cpp's converter writes them (gguf-py's own writer and quantizers).
+
+gguf-py cannot quantize to K-quants, so Q4_K and Q6_K tensors are random but valid blocks: the file then
+defines the model, and tests compare our loads against gguf-py's own dequantization of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+from conftest import CHAT_TEMPLATE, TINY_VOCAB, byte_tokenizer
+from safetensors import safe_open
+
+Q8_0, F16, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+Q4_K, Q6_K, Q5_0 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_0
+
+# Hugging Face name (after "model.layers.N.") -> GGUF name and the type we store it as: a realistic mix of
+# lossy Q8_0 and lossless F16/F32, as llama.cpp's converter writes (norms and biases stay F32).
+_BLOCK = {
+    "input_layernorm.weight": ("attn_norm.weight", F32),
+    "self_attn.q_proj.weight": ("attn_q.weight", F16),
+    "self_attn.k_proj.weight": ("attn_k.weight", Q8_0),
+    "self_attn.v_proj.weight": ("attn_v.weight", Q8_0),
+    "self_attn.q_proj.bias": ("attn_q.bias", F32),
+    "self_attn.k_proj.bias": ("attn_k.bias", F32),
+    "self_attn.v_proj.bias": ("attn_v.bias", F32),
+    "self_attn.o_proj.weight": ("attn_output.weight", F16),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", F32),
+    "mlp.gate_proj.weight": ("ffn_gate.weight", Q8_0),
+    "mlp.up_proj.weight": ("ffn_up.weight", F16),
+    "mlp.down_proj.weight": ("ffn_down.weight", Q8_0),
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": ("token_embd.weight", Q8_0),
+    "model.norm.weight": ("output_norm.weight", F32),
+    "lm_head.weight": ("output.weight", F16),
+}
+
+
+def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """What convert_hf_to_gguf.py does to llama q/k rows (LlamaModel.permute): interleave the rotary halves."""
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def llama3_rope_factors(scaling: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs tensor for llama3 scaling (transformers 5's rope_parameters)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (scaling["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def hf_weights(folder: Path) -> dict[str, np.ndarray]:
+    with safe_open(str(folder / "model.safetensors"), framework="np") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
+def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
+    """The conftest byte vocabulary (same ids) plus two merges, padded to the embedding size like Qwen's files."""
+    vocab = byte_tokenizer().get_vocab()
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    types = [int(gguf.TokenType.CONTROL if token.startswith("<|") else gguf.TokenType.NORMAL) for token in tokens]
+    merges = ["Ġ t", "h e"]
+    for merged in ("Ġt", "he"):
+        tokens.append(merged)
+        types.append(int(gguf.TokenType.NORMAL))
+    while len(tokens) < TINY_VOCAB:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(int(gguf.TokenType.UNUSED))
+    return tokens, types, merges
+
+
+def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
+               rope_factors: np.ndarray | None = None,
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+               ) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
+    """Writes `hf_folder`'s model as a GGUF file the way llama.cpp's converter would.
+
+    qtypes: GGUF name (e.g. "blk.0.ffn_down.weight", or "ffn_down.weight" for every block) -> the type to store
+    it as, instead of the default mix; Q4_K and Q6_K tensors become random valid blocks (see the module doc).
+    Returns HF name -> (the array stored in the file, its type), to check the conversion against.
+    """
+    config = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    tokens, types, merges = gguf_tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))  # like Qwen's files: <|im_end|> must come from the vocab
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    stored = {}
+    for name, weight in hf_weights(hf_folder).items():
+        if name in _GLOBAL:
+            gguf_name, qtype = _GLOBAL[name]
+        else:
+            _, _, block, rest = name.split(".", 3)
+            gguf_name, qtype = _BLOCK[rest]
+            gguf_name = f"blk.{block}.{gguf_name}"
+        if arch == "llama" and ".attn_q." in gguf_name:
+            weight = llama_cpp_permute(weight, heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            weight = llama_cpp_permute(weight, kv_heads)
+        if qtypes:
+            qtype = qtypes.get(gguf_name, qtypes.get(gguf_name.split(".", 2)[-1], qtype))
+        if not quantized or weight.ndim == 1:
+            qtype = F32
+        if qtype in (Q4_K, Q6_K):
+            data = random_k_blocks(qtype, *weight.shape, seed=len(stored))
+        else:
+            data = gguf.quants.quantize(weight.astype(np.float32), qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        stored[name] = (data, qtype)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors, raw_dtype=F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Random valid Q4_K or Q6_K blocks [rows, bytes], scaled so weights stay within about +-0.5 like a model's."""
+    rng = np.random.default_rng(seed)
+    block_bytes = {Q4_K: 144, Q6_K: 210}[qtype]
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, block_bytes), dtype=np.uint8)  # [B, bytes]
+    count = len(blocks)
+    if qtype == Q4_K:  # f16 d and dmin lead; 6-bit scales reach 63 and codes 15
+        blocks[:, 0:2] = rng.uniform(1e-4, 5e-4, (count, 1)).astype(np.float16).view(np.uint8)
+        blocks[:, 2:4] = rng.uniform(1e-4, 5e-4, (count, 1)).astype(np.float16).view(np.uint8)
+    else:  # Q6_K: f16 d trails; int8 scales reach 127 and centred codes 32
+        blocks[:, 208:210] = rng.uniform(2e-5, 1e-4, (count, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)

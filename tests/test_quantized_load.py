@@ -1,0 +1,146 @@
+"""Quantized models built straight from GGUF files and folders: each layer against gguf-py's own dequantization
+of the file, the format each GGUF type becomes, the cache, and greedy identity with quantized drafts."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models import quantized_model
+from specdecode.models.loader import load_model
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear
+
+# Inputs of 256 and 512 so every weight holds whole 256-weight K-quant blocks.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=2)
+# A Q4_K_M-like mix: most tensors Q4_K, the sensitive ones at 6-8 bits, one Q5_0 (what the 0.5B draft uses).
+TYPES = {"attn_q.weight": Q4_K, "attn_k.weight": Q4_K, "attn_v.weight": Q6_K, "attn_output.weight": Q5_0,
+         "ffn_gate.weight": Q4_K, "ffn_up.weight": Q4_K, "blk.0.ffn_down.weight": Q6_K,
+         "blk.1.ffn_down.weight": Q4_K, "token_embd.weight": Q8_0, "output.weight": Q8_0}
+
+
+@pytest.fixture
+def mixed_gguf(tmp_path, request):
+    arch = getattr(request, "param", "qwen2")
+    overrides = {"rope_scaling": None} if arch == "llama" else {}
+    source = save_tiny_model(tmp_path / f"{arch}-hf", arch, seed=3, tie_word_embeddings=False, **SHAPE, **overrides)
+    path = tmp_path / f"mixed-{arch}.gguf"
+    write_gguf(path, source, arch, qtypes=TYPES)
+    return path
+
+
+def weight_of(layer: torch.nn.Module, in_features: int) -> torch.Tensor:
+    """[N, K] float32: the layer applied to the identity is its weight, transposed (bias subtracted)."""
+    with torch.inference_mode():
+        out = layer(torch.eye(in_features))  # [K, N]
+        if layer.bias is not None:
+            out = out - layer.bias
+    return out.t()
+
+
+@pytest.mark.parametrize("mixed_gguf", ["qwen2", "llama"], indirect=True)
+def test_int4_from_gguf_keeps_q4_k_exact_and_six_bit_tensors_in_int8(mixed_gguf):
+    reference = load_model(mixed_gguf, dtype="float32").model  # the file dequantized by gguf-py, q/k un-permuted
+    model = load_model(mixed_gguf, dtype="float32", quant="int4").model
+    for index in range(2):
+        ours, theirs = model.layers[index], reference.layers[index]
+        pairs = {"attn.qkv": (ours.attn.qkv, theirs.attn.qkv, Int8Linear),  # v is Q6_K
+                 "attn.o": (ours.attn.o, theirs.attn.o, Int4Linear),  # Q5_0, requantized
+                 "mlp.gate_up": (ours.mlp.gate_up, theirs.mlp.gate_up, Int4Linear),  # Q4_K, exact
+                 "mlp.down": (ours.mlp.down, theirs.mlp.down, Int8Linear if index == 0 else Int4Linear)}
+        for name, (layer, float_layer, kind) in pairs.items():
+            assert isinstance(layer, kind), (index, name)
+            expected = float_layer.weight.detach()  # [N, K]
+            got = weight_of(layer, expected.shape[1])
+            if name == "mlp.gate_up" or (name == "mlp.down" and index == 1):
+                assert torch.allclose(got, expected, atol=1e-6), (index, name)  # the file's own 4-bit values
+            elif kind is Int8Linear:  # half a step of each row's scale
+                step = expected.abs().amax(dim=1, keepdim=True) / 127  # [N, 1]
+                assert ((got - expected).abs() <= step / 2 + 1e-6).all(), (index, name)
+            else:  # half a step of each group's range
+                groups = expected.reshape(expected.shape[0], -1, 32)
+                step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+                assert ((got.reshape(groups.shape) - groups).abs() <= step / 2 + 1e-6).all(), (index, name)
+    assert isinstance(model.lm_head, Int8Linear)  # Q8_0
+    assert torch.equal(model.embed.weight, reference.embed.weight)  # looked up, never streamed: kept in float
+
+
+def test_int8_from_gguf_stays_within_half_a_step_everywhere(mixed_gguf):
+    reference = load_model(mixed_gguf, dtype="float32").model
+    model = load_model(mixed_gguf, dtype="float32", quant="int8").model
+    float_layers = dict(reference.named_modules())
+    for name, layer in model.named_modules():
+        if isinstance(layer, (Int4Linear, torch.nn.Linear)):
+            raise AssertionError(f"{name} is not int8")
+        if isinstance(layer, Int8Linear):
+            expected = float_layers[name].weight.detach()
+            step = expected.abs().amax(dim=1, keepdim=True) / 127
+            assert ((weight_of(layer, expected.shape[1]) - expected).abs() <= step / 2 + 1e-6).all(), name
+
+
+def test_k_quant_blocks_decode_like_gguf_py(tmp_path):
+    """Q4_K and Q6_K tensors of a written file, read back by our loader, equal gguf-py's dequantization."""
+    path = tmp_path / "blocks.gguf"
+    source = save_tiny_model(tmp_path / "hf", "qwen2", seed=4, tie_word_embeddings=False, **SHAPE)
+    stored = write_gguf(path, source, "qwen2", qtypes=TYPES)
+    model = load_model(path, dtype="float32").model
+    down_q6, down_q4 = stored["model.layers.0.mlp.down_proj.weight"], stored["model.layers.1.mlp.down_proj.weight"]
+    assert (down_q6[1], down_q4[1]) == (Q6_K, Q4_K)
+    for layer, (data, qtype) in zip(model.layers, (down_q6, down_q4)):
+        expected = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
+        assert torch.equal(layer.mlp.down.weight.detach(), expected)
+
+
+def test_quantized_model_is_cached_and_reloads_identically(mixed_gguf, cache, monkeypatch):
+    first = load_model(mixed_gguf, dtype="bfloat16", quant="int4")
+    assert first.folder.parent == cache / "quantized"
+    assert not (cache / "converted").exists()  # built straight from the file, never through a float copy
+    other = load_model(mixed_gguf, dtype="bfloat16", quant="int8")  # another mode is another cache entry
+    assert other.folder != first.folder
+
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt although the quantized model is cached")
+
+    monkeypatch.setattr(quantized_model, "build_quantized", fail)
+    second = load_model(mixed_gguf, dtype="bfloat16", quant="int4")
+    tokens = torch.arange(12).unsqueeze(0)  # [1, 12]
+    positions = torch.arange(12).unsqueeze(0)
+    with torch.inference_mode():
+        logits = [m.model(tokens, positions, m.model.new_cache(12)).logits for m in (first, second)]
+    assert torch.equal(*logits)
+    assert second.tokenizer.decode(second.tokenizer.encode("hello world")) == "hello world"
+    assert sorted(p.name for p in first.folder.parent.iterdir()) == sorted([first.folder.name, other.folder.name])
+
+
+def test_folder_source_quantizes_from_its_safetensors_and_caches(tmp_path, cache):
+    folder = save_tiny_model(tmp_path / "hf", "llama", seed=6, scale=0.15)
+    loaded = load_model(folder, dtype="float32", quant="int4", group_size=64)
+    assert loaded.folder == folder  # tokenizer and config from the source folder
+    assert [p.name for p in (cache / "quantized").iterdir()][0].endswith("int4-g64")
+    weights = hf_weights(folder)
+    expected = torch.from_numpy(weights["model.layers.0.mlp.down_proj.weight"])  # [N, K]
+    got = weight_of(loaded.model.layers[0].mlp.down, expected.shape[1])
+    groups = expected.reshape(expected.shape[0], -1, 64)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    assert ((got.reshape(groups.shape) - groups).abs() <= step / 2 + 1e-6).all()
+
+
+def test_gguf_quantized_draft_keeps_greedy_output_of_its_target(mixed_gguf):
+    target = load_model(mixed_gguf, dtype="float32")
+    engine = Engine(target, load_model(mixed_gguf, dtype="bfloat16", quant="int4"))
+    sampling = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = engine.complete("hello hello hello", sampling, SpecConfig("none"))
+    result = engine.complete("hello hello hello", sampling, SpecConfig("draft"))
+    assert result.token_ids == plain.token_ids
+    assert 0 < result.stats.accepted_tokens <= result.stats.drafted_tokens
+
+
+def test_random_k_blocks_are_valid_for_gguf_py():
+    for qtype in (Q4_K, Q6_K):
+        weights = gguf.quants.dequantize(random_k_blocks(qtype, 4, 512), qtype)  # [4, 512]
+        assert weights.shape == (4, 512) and np.isfinite(weights).all() and 0 < np.abs(weights).max() < 1
