@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
-from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.models import quantized_model
 from specdecode.models.loader import load_model
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear
@@ -144,3 +144,23 @@ def test_random_k_blocks_are_valid_for_gguf_py():
     for qtype in (Q4_K, Q6_K):
         weights = gguf.quants.dequantize(random_k_blocks(qtype, 4, 512), qtype)  # [4, 512]
         assert weights.shape == (4, 512) and np.isfinite(weights).all() and 0 < np.abs(weights).max() < 1
+
+
+def test_large_tensors_are_processed_in_row_chunks_with_the_same_result():
+    from types import SimpleNamespace
+
+    from specdecode.models.gguf_convert import dequantize_tensor
+
+    rows = 4096 + 912  # more than one chunk of rows, and a ragged last one
+    weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)) * 0.1  # [N, K]
+    data = gguf.quants.quantize(weight.numpy(), Q8_0)
+    tensor = SimpleNamespace(data=data, tensor_type=Q8_0)
+    assert np.array_equal(dequantize_tensor(tensor), gguf.quants.dequantize(data, Q8_0))
+    int8 = Int8Linear.from_weight(weight, None, torch.float32)
+    scales = weight.abs().amax(dim=1) / 127  # [N]
+    assert torch.equal(int8.scales, scales)
+    assert torch.equal(int8.weight, torch.round(weight / scales[:, None]).to(torch.int8))
+    int4 = Int4Linear.from_weight(weight, None, 32, torch.float32)
+    assert torch.allclose(weight_of(int4, 64), weight, atol=float(weight.abs().max()) * 2 / 15 / 2 + 1e-6)
+    with pytest.raises(SpecDecodeError, match="divisible by 16"):
+        Int4Linear.from_weight(weight[:40], None, 32, torch.float32)

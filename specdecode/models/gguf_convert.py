@@ -134,13 +134,23 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{block}.{_BLOCK_NAMES[part]}.{kind}"
 
 
+_DEQUANTIZE_ROWS = 4096  # gguf-py's dequantizers make several full-size temporaries: bound them by chunks
+
+
 def dequantize_tensor(tensor) -> np.ndarray:
-    """One GGUF tensor -> float32 array in PyTorch's [out, in] layout."""
+    """One GGUF tensor -> float32 array in PyTorch's [out, in] layout, a chunk of rows at a time."""
     from gguf import dequantize
 
-    array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    # Unquantized tensors come back as read-only views of the memory-mapped file; torch wants its own copy.
-    return array if array.flags.writeable else array.copy()
+    data = tensor.data  # [rows, bytes per row] for quantized types, [rows, columns] otherwise
+    if data.ndim < 2 or len(data) <= _DEQUANTIZE_ROWS:
+        array = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
+        # Unquantized tensors come back as read-only views of the memory-mapped file; torch wants its own copy.
+        return array if array.flags.writeable else array.copy()
+    first = dequantize(data[:1], tensor.tensor_type)  # [1, columns]
+    out = np.empty((len(data), first.shape[-1]), dtype=np.float32)  # [rows, columns]
+    for start in range(0, len(data), _DEQUANTIZE_ROWS):
+        out[start : start + _DEQUANTIZE_ROWS] = dequantize(data[start : start + _DEQUANTIZE_ROWS], tensor.tensor_type)
+    return out
 
 
 def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:

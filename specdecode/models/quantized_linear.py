@@ -16,6 +16,10 @@ QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
 
 
+def _row_chunks(rows: int, size: int = 4096) -> list[slice]:
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 def check_quant(mode: str, group_size: int) -> None:
     if mode not in QUANT_MODES:
         raise SpecDecodeError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -38,9 +42,12 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
         """Symmetric round-to-nearest of a float weight [N, K], one scale per row."""
-        weight = weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # [N]
-        codes = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        codes = torch.empty(weight.shape, dtype=torch.int8)  # [N, K]
+        scales = torch.empty(weight.shape[0])  # [N]
+        for rows in _row_chunks(weight.shape[0]):  # float temporaries stay one chunk in size
+            chunk = weight[rows].detach().float()  # [n, K]
+            scales[rows] = chunk.abs().amax(dim=1).clamp_min(1e-12) / 127
+            codes[rows] = torch.round(chunk / scales[rows, None]).clamp(-127, 127).to(torch.int8)
         return cls(codes, scales.to(dtype), bias)
 
     @classmethod
@@ -72,6 +79,9 @@ class Int4Linear(nn.Module):
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                    group_size: int, dtype: torch.dtype) -> Int4Linear:
         """codes [N, K] int32 in [0, 15]; scales, zeros [N, K/G]."""
+        if codes.shape[0] % 16:
+            raise SpecDecodeError(f"int4 needs output sizes divisible by 16 (the CPU kernel's tile); a layer has "
+                                  f"{codes.shape[0]}: use --quant int8")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
         return cls(packed, scales_and_zeros.contiguous().to(dtype), bias, group_size)
@@ -84,12 +94,16 @@ class Int4Linear(nn.Module):
         if in_features % group_size:
             raise SpecDecodeError(f"int4 needs input sizes divisible by the group size {group_size}; "
                                   f"a layer has {in_features}")
-        groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/G] each
-        scales = ((high - low) / 15).clamp_min(1e-12)  # [N, K/G]
-        codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [N, K/G, G]
-        codes = codes.to(torch.int32).reshape(out_features, in_features)  # [N, K]
-        zeros = low + 8 * scales  # [N, K/G]: moves the kernel's (q - 8) back to low + q * scale
+        codes = torch.empty(weight.shape, dtype=torch.int32)  # [N, K]: the packing op's input type
+        scales = torch.empty(out_features, in_features // group_size)  # [N, K/G]
+        zeros = torch.empty_like(scales)  # [N, K/G]
+        for rows in _row_chunks(out_features):  # float temporaries stay one chunk in size
+            groups = weight[rows].detach().float().reshape(-1, in_features // group_size, group_size)  # [n, K/G, G]
+            low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [n, K/G] each
+            scales[rows] = ((high - low) / 15).clamp_min(1e-12)
+            chunk_codes = torch.round((groups - low[..., None]) / scales[rows, :, None]).clamp(0, 15)  # [n, K/G, G]
+            codes[rows] = chunk_codes.to(torch.int32).reshape(-1, in_features)
+            zeros[rows] = low + 8 * scales[rows]  # moves the kernel's (q - 8) back to low + q * scale
         return cls.from_codes(codes, scales, zeros, bias, group_size, dtype)
 
     @classmethod
