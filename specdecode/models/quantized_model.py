@@ -6,10 +6,11 @@ kernels' own packed layout, so later starts only map a file.
 
 Which format each linear layer gets:
 - int8: every layer, per output channel.
-- int4 from a GGUF file: Q4_K tensors become int4 groups of 32 exactly (no requantization); tensors the file
-  keeps at 6 bits or more (Q6_K, Q8_0, F16, F32: the ones llama.cpp's mixed types protect) become int8; the
-  rest are requantized to int4 groups.
-- int4 from float weights: every layer in int4 groups.
+- int4: every layer, in groups. From a GGUF file, Q4_K tensors become int4 groups of 32 exactly (no
+  requantization); tensors stored in other types (Q5_0, Q6_K, Q8_0, F16) are requantized from their
+  dequantized values. A Q4_K_M file keeps some tensors at 6 bits on purpose; here they go to 4 bits too,
+  because on CPU the int8 kernel streams weights at about 2/3 the speed of the int4 one and costs 2-4x more
+  for 4-8 rows (measured in docs/benchmarks/README.md), which made the 1.5B target 26% slower per token.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
-_FORMAT = "specdecode-quantized-1"
+_FORMAT = "specdecode-quantized-2"
 WEIGHTS_FILE = "quantized.safetensors"
 
 
@@ -92,7 +93,7 @@ def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias:
             codes, scales, zeros = (torch.cat([g[k] for g in groups]) for k in range(3))  # stacked output rows
             return Int4Linear.from_codes(codes, scales, zeros, bias, Q4_K_GROUP, dtype)
     weight = torch.cat([source.get(n) for n in names])  # [N, K] float32
-    if quant == "int8" or any(source.sensitive(n) for n in names):
+    if quant == "int8":
         return Int8Linear.from_weight(weight, bias, dtype)
     return Int4Linear.from_weight(weight, bias, group_size, dtype)
 

@@ -88,14 +88,9 @@ class FolderWeights:
     def q4_k(self, name: str) -> None:
         return None  # safetensors hold float weights only
 
-    def sensitive(self, name: str) -> bool:
-        return False  # float weights carry no quantizer's choice to follow
-
 
 class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, dequantized one at a time on demand."""
-
-    _SIX_BITS_OR_MORE = ("F32", "F16", "BF16", "Q8_0", "Q6_K")
 
     def __init__(self, path: Path):
         self.path = path
@@ -119,11 +114,6 @@ class GGUFWeights:
         if tensor.tensor_type != GGMLQuantizationType.Q4_K:
             return None
         return tuple(self._unpermute(name, part) for part in q4_k_groups(tensor))
-
-    def sensitive(self, name: str) -> bool:
-        """Stored at 6 bits or more: llama.cpp's mixed types (Q4_K_M and kin) keep their most sensitive tensors
-        there, so an int4 load keeps them in int8 rather than undo that choice."""
-        return self._tensors[name].tensor_type.name in self._SIX_BITS_OR_MORE
 
     def rope_factors(self) -> torch.Tensor | None:
         return self.get("rope_freqs") if "rope_freqs" in self._tensors else None
