@@ -20,6 +20,25 @@ def _row_chunks(rows: int, size: int = 4096) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
+def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K/G] each -> [K/G, N, 2] in the activations' dtype, the int4 kernel's layout."""
+    return torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def _check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    if in_features % group_size:
+        raise SpecDecodeError(f"int4 needs input sizes divisible by the group size {group_size}; "
+                              f"a layer has {in_features}")
+    if out_features % 16:
+        raise SpecDecodeError(f"int4 needs output sizes divisible by 16 (the CPU kernel's tile); a layer has "
+                              f"{out_features}: use --quant int8")
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the int4 CPU kernel can take a weight [out, in]: whole 16-row tiles and whole groups."""
+    return out_features % 16 == 0 and in_features % group_size == 0
+
+
 def check_quant(mode: str, group_size: int) -> None:
     if mode not in QUANT_MODES:
         raise SpecDecodeError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -79,32 +98,28 @@ class Int4Linear(nn.Module):
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                    group_size: int, dtype: torch.dtype) -> Int4Linear:
         """codes [N, K] int32 in [0, 15]; scales, zeros [N, K/G]."""
-        if codes.shape[0] % 16:
-            raise SpecDecodeError(f"int4 needs output sizes divisible by 16 (the CPU kernel's tile); a layer has "
-                                  f"{codes.shape[0]}: use --quant int8")
+        _check_int4_shape(*codes.shape, group_size)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [K/G, N, 2]
-        return cls(packed, scales_and_zeros.contiguous().to(dtype), bias, group_size)
+        return cls(packed, _scales_and_zeros(scales, zeros, dtype), bias, group_size)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                     dtype: torch.dtype) -> Int4Linear:
         """Min-max quantization of each group of a float weight [N, K]."""
         out_features, in_features = weight.shape
-        if in_features % group_size:
-            raise SpecDecodeError(f"int4 needs input sizes divisible by the group size {group_size}; "
-                                  f"a layer has {in_features}")
-        codes = torch.empty(weight.shape, dtype=torch.int32)  # [N, K]: the packing op's input type
+        _check_int4_shape(out_features, in_features, group_size)
+        packed = []  # the packed layout is row by row, so chunks pack separately and stack
         scales = torch.empty(out_features, in_features // group_size)  # [N, K/G]
         zeros = torch.empty_like(scales)  # [N, K/G]
-        for rows in _row_chunks(out_features):  # float temporaries stay one chunk in size
+        for rows in _row_chunks(out_features):  # float and int32 temporaries stay one chunk in size
             groups = weight[rows].detach().float().reshape(-1, in_features // group_size, group_size)  # [n, K/G, G]
             low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [n, K/G] each
             scales[rows] = ((high - low) / 15).clamp_min(1e-12)
-            chunk_codes = torch.round((groups - low[..., None]) / scales[rows, :, None]).clamp(0, 15)  # [n, K/G, G]
-            codes[rows] = chunk_codes.to(torch.int32).reshape(-1, in_features)
+            codes = torch.round((groups - low[..., None]) / scales[rows, :, None]).clamp(0, 15)  # [n, K/G, G]
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).reshape(-1, in_features), 1))
             zeros[rows] = low + 8 * scales[rows]  # moves the kernel's (q - 8) back to low + q * scale
-        return cls.from_codes(codes, scales, zeros, bias, group_size, dtype)
+        return cls(torch.cat(packed), _scales_and_zeros(scales, zeros, dtype), bias, group_size)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:

@@ -11,6 +11,7 @@ Which format each linear layer gets:
   dequantized values. A Q4_K_M file keeps some tensors at 6 bits on purpose; here they go to 4 bits too,
   because on CPU the int8 kernel streams weights at about 2/3 the speed of the int4 one and costs 2-4x more
   for 4-8 rows (measured in docs/benchmarks/README.md), which made the 1.5B target 26% slower per token.
+  A layer the int4 kernel cannot tile (outputs not a multiple of 16, inputs not of the group size) is int8.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_int4 import Q4_K_GROUP
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits
 from specdecode.models.registry import cache_dir
 from specdecode.models.transformer import Transformer
 from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
@@ -69,10 +70,8 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     with torch.device("meta"):
         model = Transformer(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    floats = {}
-    for name, names in sources.items():
-        if name.removesuffix(".weight") not in linears:
-            floats[name] = torch.cat([source.get(n) for n in names]).to(dtype)  # norms, biases, embedding
+    floats = {name: stacked(source, names).to(dtype) for name, names in sources.items()
+              if name.removesuffix(".weight") not in linears}  # norms, biases, embedding
     model.load_state_dict(floats, strict=False, assign=True)
     for name in tqdm(linears, desc=f"quantizing {where.name} to {quant}", unit="layer", disable=quiet):
         weight_names = sources.get(f"{name}.weight", sources["embed.weight"])  # a tied head quantizes the embedding
@@ -91,11 +90,18 @@ def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias:
         groups = [source.q4_k(n) for n in names]
         if all(g is not None for g in groups):
             codes, scales, zeros = (torch.cat([g[k] for g in groups]) for k in range(3))  # stacked output rows
-            return Int4Linear.from_codes(codes, scales, zeros, bias, Q4_K_GROUP, dtype)
-    weight = torch.cat([source.get(n) for n in names])  # [N, K] float32
-    if quant == "int8":
-        return Int8Linear.from_weight(weight, bias, dtype)
+            if int4_fits(*codes.shape, Q4_K_GROUP):
+                return Int4Linear.from_codes(codes, scales, zeros, bias, Q4_K_GROUP, dtype)
+    weight = stacked(source, names)  # [N, K] float32
+    if quant == "int8" or not int4_fits(*weight.shape, group_size):
+        return Int8Linear.from_weight(weight, bias, dtype)  # the int4 kernel cannot tile this layer
     return Int4Linear.from_weight(weight, bias, group_size, dtype)
+
+
+def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:
+    """The tensors `names` stacked along dim 0, without a copy when there is only one."""
+    parts = [source.get(n) for n in names]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:
