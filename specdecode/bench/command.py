@@ -17,7 +17,7 @@ from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
-from specdecode.cli import default_draft_name, load_models, sampling_from_args
+from specdecode.cli import default_draft_name, draft_quant, load_models, sampling_from_args
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
@@ -83,7 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(table(summaries))
     if args.out:
         setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
-                 "questions": len(questions), "max_tokens": sampling.max_tokens,
+                 "quant": args.quant, "draft_quant": draft_quant(args) if draft else None, "questions": len(questions), "max_tokens": sampling.max_tokens,
                  "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
         write_outputs(Path(args.out), summaries, categories, raw, setup)
         print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
