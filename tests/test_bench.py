@@ -236,3 +236,15 @@ def test_sampled_bench_reports_no_identity(tiny_pair, capsys):
                  "--max-tokens", "6", "--methods", "draft", "--temperature", "0.8", "--seed", "1"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last["draft"]["identical_rate"] is None
+
+
+def test_report_lists_each_divergence_with_its_top2_gap():
+    from specdecode.bench.report import divergence_lines
+
+    summaries = {"none": {"divergences": {}},
+                 "draft": {"divergences": {"q7": {"position": 12, "top2_gap": 0.125, "near_tie": True}}},
+                 "hf:assisted": {"divergences": {"q3": 40}}}
+    lines = divergence_lines(summaries)
+    assert "| draft | q7 | 12 | 0.125 | yes |" in lines
+    assert "| hf:assisted | q3 | 40 | - | - |" in lines
+    assert divergence_lines({"none": {"divergences": {}}}) == []

@@ -75,6 +75,7 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
     for name, per_category in categories.items():
         lines.append(f"| {name} | " + " | ".join(f"{v['tokens_per_second']:.2f} ({v['speedup']:.2f}x)"
                                                   for v in per_category.values()) + " |")
+    lines += divergence_lines(summaries)
     lines += ["", "## Definitions (Spec-Bench)", "",
               "- tokens/s: per question, new tokens over wall time (all turns, prefill included), then the mean.",
               "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
@@ -87,6 +88,24 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
               "- identical: share of questions whose token ids equal plain decoding's (greedy).", "",
               "![speedup](speedup_by_category.png)", "", "![acceptance](acceptance_by_position.png)", ""]
     return "\n".join(lines)
+
+
+def divergence_lines(summaries: dict[str, dict]) -> list[str]:
+    """Each output that differs from its family's plain decoding: where, and how close the target's top two were."""
+    rows = []
+    for name, summary in summaries.items():
+        for qid, where in (summary.get("divergences") or {}).items():
+            if isinstance(where, dict):  # ours: the target's top-2 logit gap at the diverging token is known
+                gap = f"{where['top2_gap']:.3f}" if where.get("top2_gap") is not None else "-"
+                tie = "yes" if where.get("near_tie") else "no"
+                rows.append(f"| {name} | {qid} | {where['position']} | {gap} | {tie} |")
+            else:
+                rows.append(f"| {name} | {qid} | {where} | - | - |")
+    if not rows:
+        return []
+    return ["", "## Divergences from plain decoding (greedy)", "",
+            "| method | question | first differing token | target's top-2 gap there | near-tie |",
+            "|---|---|---|---|---|", *rows]
 
 
 def plot_speedup(path: Path, summaries: dict[str, dict], categories: dict[str, dict]) -> None:
