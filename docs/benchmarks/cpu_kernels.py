@@ -1,0 +1,65 @@
+"""Milliseconds per call of PyTorch's CPU matmul kernels for decoding, by number of rows M (tokens per forward).
+
+Run from the repository root: python docs/benchmarks/cpu_kernels.py [N K]   (default: 8960 1536, the 1.5B's MLP)
+
+Each kernel cycles through enough copies of the weight (over 300M parameters) that none stays in the 32 MB L3
+cache: a single weight reused call after call would measure the cache, not memory, and overstate the speed.
+Kernels: oneDNN bf16 with a prepacked weight (our float path), weight-only int8 per channel
+(`_weight_int8pack_mm`), weight-only int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`), and int8 x int8
+with int32 accumulation (`torch._int_mm`, which needs activations quantized too).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0}  # int4: codes + bf16 scale/zero
+
+
+def per_call_ms(calls: list, rounds: int = 3) -> float:
+    for call in calls[:2]:
+        call()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for call in calls:
+            call()
+    return (time.perf_counter() - start) / (rounds * len(calls)) * 1000
+
+
+def main() -> None:
+    out_features, in_features = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) == 3 else (8960, 1536)
+    copies = max(2, int(300e6 // (out_features * in_features)))
+    torch.manual_seed(0)
+    bf16 = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features).bfloat16(), 1)
+            for _ in range(copies)]
+    int8 = [torch.randint(-127, 127, (out_features, in_features), dtype=torch.int8) for _ in range(copies)]
+    int8_scales = torch.rand(out_features).bfloat16()  # [N]
+    int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (out_features, in_features), dtype=torch.int32), 1) for _ in range(copies)]
+    int4_scales = torch.rand(in_features // 32, out_features, 2).bfloat16()  # [K/32, N, 2]
+    print(f"weight {out_features}x{in_features}, {copies} copies in rotation, {torch.get_num_threads()} threads")
+    print("| M | " + " | ".join(f"{name} ms" for name in BYTES_PER_WEIGHT) + " |")
+    print("|---|" + "---|" * len(BYTES_PER_WEIGHT))
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randn(rows, in_features).bfloat16()  # [M, K]
+        x_int8 = torch.randint(-127, 127, (rows, in_features), dtype=torch.int8)  # [M, K]
+        costs = {
+            "bf16": per_call_ms([lambda w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                 for w in bf16]),
+            "int8": per_call_ms([lambda w=w: torch.ops.aten._weight_int8pack_mm(x, w, int8_scales) for w in int8]),
+            "int4": per_call_ms([lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, int4_scales)
+                                 for w in int4]),
+            "int8 x int8": per_call_ms([lambda w=w: torch._int_mm(x_int8, w.t()) for w in int8]),
+        }
+        cells = []
+        for name, ms in costs.items():
+            bandwidth = out_features * in_features * BYTES_PER_WEIGHT[name] / ms / 1e6  # GB/s
+            cells.append(f"{ms:.3f} ({bandwidth:.0f} GB/s)" if rows == 1 else f"{ms:.3f}")
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
