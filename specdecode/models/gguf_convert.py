@@ -7,10 +7,7 @@ can load it too, which keeps the reference tests and the benchmark peer on exact
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.atomic_folder import write_folder_atomically
 from specdecode.models.model_config import ModelConfig, unsupported_message
 from specdecode.tokenizer import END_OF_TURN_TOKENS
 
@@ -163,7 +161,7 @@ def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:
-    """Write `out_dir` atomically (temp folder + rename) so an interrupted conversion is never mistaken for done."""
+    """Write `out_dir` whole or not at all, so an interrupted conversion is never mistaken for done."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
     state: dict[str, torch.Tensor] = {}
@@ -176,19 +174,13 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_llama_qk(weight, config.num_kv_heads)
         state[name] = weight if name == "rope_freqs" else weight.to(dtype)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+
+    def write(staging: Path) -> None:
         save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config.to_hf() | {"torch_dtype": str(dtype)[6:]}, indent=1))
         write_tokenizer(path, staging, config)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return out_dir
+
+    return write_folder_atomically(out_dir, write)
 
 
 def write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:

@@ -17,9 +17,6 @@ Which format each linear layer gets:
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.atomic_folder import write_folder_atomically
 from specdecode.models.gguf_int4 import Q4_K_GROUP
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits
@@ -105,22 +103,17 @@ def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tens
 
 
 def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:
-    """Written to a staging folder and renamed, so an interrupted save is never mistaken for a cache hit."""
+    """Written whole or not at all, so an interrupted save is never mistaken for a cache hit."""
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.rope_factors is not None:
         state["rope_freqs"] = model.rope_factors
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+
+    def write(staging: Path) -> None:
         save_file(state, staging / WEIGHTS_FILE, metadata={"format": _FORMAT})
         if write_extra is not None:
             write_extra(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+
+    write_folder_atomically(folder, write)
 
 
 def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
