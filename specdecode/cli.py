@@ -144,7 +144,7 @@ def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = 
 
 def draft_quant(args: argparse.Namespace) -> str:
     """'auto': the cheapest draft the device has kernels for, since a draft's precision never changes the output
-    (on the default pair, an int4 draft keeps its acceptance and costs half a bf16 one: docs/benchmarks)."""
+    (on the default pair, an int4 draft keeps its acceptance and costs 40% of a bf16 one: docs/benchmarks)."""
     if args.draft_quant != "auto":
         return args.draft_quant
     return "int4" if args.device == "cpu" else "none"

@@ -1,8 +1,9 @@
 """A weight-only quantized model, built straight from its source one layer at a time, and cached.
 
-Building reads one tensor, quantizes it and lets the float copy go, so peak memory stays near the quantized
-size (plus the largest single tensor in float32) instead of a whole float model. The result is saved in the
-kernels' own packed layout, so later starts only map a file.
+Building reads one tensor, quantizes it a chunk of rows at a time and lets the float copy go, so memory holds
+the quantized model plus one tensor in float32, never a whole float model (the 1.5B's peak is measured in
+docs/benchmarks/README.md). The result is saved in the kernels' own packed layout, so later starts only read
+a file.
 
 Which format each linear layer gets:
 - int8: every layer, per output channel.

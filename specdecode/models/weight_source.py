@@ -1,7 +1,7 @@
 """Where a model's tensors come from, read one at a time: a Hugging Face-style folder or a GGUF file.
 
-Reading tensor by tensor is what keeps a quantized load near the quantized size: a layer is dequantized,
-requantized and dropped before the next one is read, so the whole model never exists in float.
+Reading tensor by tensor keeps a quantized load from ever holding the whole model in float: a layer is
+dequantized, requantized and dropped before the next one is read.
 """
 
 from __future__ import annotations
@@ -93,7 +93,6 @@ class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, dequantized one at a time on demand."""
 
     def __init__(self, path: Path):
-        self.path = path
         self.reader = open_gguf(path)
         self.config = config_from_gguf(self.reader, path)
         self._tensors = {hf_name(t.name).removeprefix("model."): t for t in self.reader.tensors}
@@ -114,9 +113,6 @@ class GGUFWeights:
         if tensor.tensor_type != GGMLQuantizationType.Q4_K:
             return None
         return tuple(self._unpermute(name, part) for part in q4_k_groups(tensor))
-
-    def rope_factors(self) -> torch.Tensor | None:
-        return self.get("rope_freqs") if "rope_freqs" in self._tensors else None
 
     def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self._permute and ".q_proj." in name:
