@@ -160,6 +160,16 @@ def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def to_hf_rows(name: str, tensor: torch.Tensor, config: ModelConfig, permute: bool) -> torch.Tensor:
+    """A tensor (weight, bias, or per-row int4 codes/scales) under Hugging Face `name`, with q/k rows back in
+    Hugging Face order when the file is a llama-architecture one (`permute`)."""
+    if permute and ".q_proj." in name:
+        return unpermute_llama_qk(tensor, config.num_heads)
+    if permute and ".k_proj." in name:
+        return unpermute_llama_qk(tensor, config.num_kv_heads)
+    return tensor
+
+
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:
     """Write `out_dir` whole or not at all, so an interrupted conversion is never mistaken for done."""
     reader = open_gguf(path)
@@ -168,11 +178,7 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
     permute = field_value(reader, "general.architecture") == "llama"
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=quiet):
         name = hf_name(tensor.name)
-        weight = torch.from_numpy(dequantize_tensor(tensor))
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_llama_qk(weight, config.num_heads)
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_llama_qk(weight, config.num_kv_heads)
+        weight = to_hf_rows(name, torch.from_numpy(dequantize_tensor(tensor)), config, permute)
         state[name] = weight if name == "rope_freqs" else weight.to(dtype)
 
     def write(staging: Path) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import convert_gguf, write_tokenizer
@@ -23,7 +22,7 @@ from specdecode.models.quantized_linear import check_quant
 from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
+from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
 from specdecode.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -75,7 +74,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
         raise SpecDecodeError(f"--quant {quant} runs on the CPU kernels; use --device cpu or --quant none")
     source = resolve_source(str(name_or_path), quiet)
     if quant == "none":
-        folder = converted_folder(source, torch_dtype, quiet) if source.is_file() else source
+        folder = _float_folder(source, torch_dtype, quiet)
         model = load_folder(folder, torch_dtype, device)
     else:
         model, folder = load_quantized_source(source, torch_dtype, quant, group_size, quiet)
@@ -104,7 +103,10 @@ def resolve_source(name_or_path: str, quiet: bool) -> Path:
 
 def float_folder(name_or_path: str, dtype: torch.dtype, quiet: bool = True) -> Path:
     """The Hugging Face-style folder holding a model's float weights (a GGUF file's cached conversion)."""
-    source = resolve_source(name_or_path, quiet)
+    return _float_folder(resolve_source(name_or_path, quiet), dtype, quiet)
+
+
+def _float_folder(source: Path, dtype: torch.dtype, quiet: bool) -> Path:
     return converted_folder(source, dtype, quiet) if source.is_file() else source
 
 
@@ -157,12 +159,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     config = read_config(folder)
-    hf_state = {k.removeprefix("model."): v for k, v in read_safetensors(safetensors_files(folder)).items()}
+    weights = FolderWeights(safetensors_files(folder))
     sources = parameter_sources(config)
-    check_sources(sources, set(hf_state), folder, config)
-    rope_factors = hf_state.get("rope_freqs")
-    state = {name: torch.cat([hf_state[n] for n in names]).to(device=device, dtype=dtype)
-             for name, names in sources.items()}
+    check_sources(sources, weights.names(), folder, config)
+    rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
+    state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}
     with torch.device("meta"):
         model = Transformer(config)
     model.load_state_dict(state, strict=False, assign=True)
@@ -170,15 +171,3 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     if can_pack(model):
         pack_linears(model)
     return model.eval()
-
-
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    state[key] = handle.get_tensor(key)
-        except (SafetensorError, OSError) as error:
-            raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
-    return state

@@ -34,7 +34,7 @@ from specdecode.models.model_config import ModelConfig
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits
 from specdecode.models.registry import cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources
+from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-2"
@@ -95,12 +95,6 @@ def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias:
     if quant == "int8" or not int4_fits(*weight.shape, group_size):
         return Int8Linear.from_weight(weight, bias, dtype)  # the int4 kernel cannot tile this layer
     return Int4Linear.from_weight(weight, bias, group_size, dtype)
-
-
-def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:
-    """The tensors `names` stacked along dim 0, without a copy when there is only one."""
-    parts = [source.get(n) for n in names]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:

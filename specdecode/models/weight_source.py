@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import config_from_gguf, dequantize_tensor, field_value, hf_name, open_gguf, \
-    unpermute_llama_qk
+    to_hf_rows
 from specdecode.models.gguf_int4 import q4_k_groups
 from specdecode.models.model_config import ModelConfig
 
@@ -103,7 +103,8 @@ class GGUFWeights:
 
     def get(self, name: str) -> torch.Tensor:
         """float32 in PyTorch's [out, in] layout, q/k rows back in Hugging Face order."""
-        return self._unpermute(name, torch.from_numpy(dequantize_tensor(self._tensors[name])))
+        return to_hf_rows(name, torch.from_numpy(dequantize_tensor(self._tensors[name])), self.config,
+                          self._permute)
 
     def q4_k(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A Q4_K tensor's exact int4 groups (codes, scales, zeros), or None for any other type."""
@@ -112,11 +113,10 @@ class GGUFWeights:
         tensor = self._tensors[name]
         if tensor.tensor_type != GGMLQuantizationType.Q4_K:
             return None
-        return tuple(self._unpermute(name, part) for part in q4_k_groups(tensor))
+        return tuple(to_hf_rows(name, part, self.config, self._permute) for part in q4_k_groups(tensor))
 
-    def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if self._permute and ".q_proj." in name:
-            return unpermute_llama_qk(tensor, self.config.num_heads)
-        if self._permute and ".k_proj." in name:
-            return unpermute_llama_qk(tensor, self.config.num_kv_heads)
-        return tensor
+
+def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:
+    """The tensors `names` stacked along dim 0, without a copy when there is only one."""
+    parts = [source.get(n) for n in names]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
