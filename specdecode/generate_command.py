@@ -8,6 +8,7 @@ import sys
 
 from specdecode.cli import default_draft_name, load_models, sampling_from_args, spec_from_args
 from specdecode.config import SpecConfig
+from specdecode.drafters.base import needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
@@ -21,7 +22,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     draft_name = default_draft_name(args)
     spec = spec_from_args(args, has_draft=draft_name is not None)
-    if "draft" not in spec.methods:
+    if not needs_draft_model(spec):
         draft_name = None  # no need to load a model nobody drafts with
     target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
     engine = Engine(target, draft, spec, context_limit=args.context)

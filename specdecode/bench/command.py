@@ -19,6 +19,7 @@ from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
 from specdecode.cli import default_draft_name, draft_quant, load_models, sampling_from_args
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.base import needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
@@ -61,7 +62,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                args.per_category)
     sampling = sampling_from_args(args)
     methods = parse_methods(args.methods, args)
-    needs_draft = any("draft" in m.spec.methods for m in methods) or "hf" in args.peer
+    needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
     target, draft = load_models(args, default_draft_name(args) if needs_draft else None)
     engine = Engine(target, draft, context_limit=args.context)
     for method in methods:

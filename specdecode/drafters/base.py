@@ -52,6 +52,7 @@ class DrafterContext:
 class Drafter:
     name: ClassVar[str]
     needs_hidden_layers: ClassVar[tuple[int, ...]] = ()  # target hidden states (boundary ids) it reads
+    needs_draft_model: ClassVar[bool] = False  # whether callers must load a draft model for it
 
     @classmethod
     def create(cls, context: DrafterContext) -> Drafter:
@@ -109,6 +110,11 @@ def validate_method(spec: SpecConfig) -> tuple[str, ...]:
             "or a comma-separated chain such as 'ngram,draft'"
         )
     return methods
+
+
+def needs_draft_model(spec: SpecConfig) -> bool:
+    """Whether any method of `spec` drafts with a draft model, so callers load one only when it is used."""
+    return any(DRAFTERS[m].needs_draft_model for m in validate_method(spec))
 
 
 def build_drafter(context: DrafterContext) -> Drafter:

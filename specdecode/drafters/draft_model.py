@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 @register
 class DraftModelDrafter(Drafter):
     name = "draft"
+    needs_draft_model = True
 
     def __init__(self, draft: LoadedModel, target_vocab: int, p_min: float = 0.0):
         self.draft = draft

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from specdecode.cli import default_draft_name, load_models, spec_from_args
 from specdecode.config import SpecConfig
+from specdecode.drafters.base import needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
@@ -48,7 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         draft_name = named_draft or draft_name
-    needs_draft = "draft" in spec.methods or args.allow_draft_override
+    needs_draft = needs_draft_model(spec) or args.allow_draft_override
     target, draft = load_models(args, draft_name if needs_draft else None)
     engine = Engine(target, draft, spec, context_limit=args.context)
     settings = ServerSettings(
