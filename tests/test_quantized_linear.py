@@ -112,7 +112,7 @@ def test_q4_k_blocks_become_int4_groups_with_the_same_weights():
     codes, scales, zeros = q4_k_groups(tensor)
     rebuilt = ((codes.float() - 8).reshape(16, 16, 32) * scales[..., None] + zeros[..., None]).reshape(16, 512)
     assert torch.allclose(rebuilt, reference, atol=1e-6)
-    layer = Int4Linear.from_codes(codes, scales, zeros, None, 32, torch.float32)
+    layer = Int4Linear.from_groups([(codes, scales, zeros)], None, 32, torch.float32)
     x = torch.randn(3, 512)
     assert torch.allclose(layer(x), x @ reference.t(), atol=1e-4)
 

@@ -11,9 +11,9 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import quantized_model
+from specdecode.models import quantized_model, weight_source
 from specdecode.models.loader import load_model
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 
 # Inputs of 256 and 512 so every weight holds whole 256-weight K-quant blocks.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -159,3 +159,63 @@ def test_large_tensors_are_processed_in_row_chunks_with_the_same_result():
     assert torch.allclose(weight_of(int4, 64), weight, atol=float(weight.abs().max()) * 2 / 15 / 2 + 1e-6)
     with pytest.raises(SpecDecodeError, match="divisible by 16"):
         Int4Linear.from_weight(weight[:40], None, 32, torch.float32)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("mixed_gguf", ["qwen2", "llama"], indirect=True)
+def test_building_64_rows_at_a_time_gives_the_same_model(mixed_gguf, monkeypatch, quant):
+    """The build reads blocks of rows, never a whole tensor in float32; the blocks' size must not matter."""
+    def build() -> dict[str, torch.Tensor]:
+        source = weight_source.GGUFWeights(mixed_gguf)
+        model = quantized_model.build_quantized(source, source.config, mixed_gguf, torch.bfloat16, quant, 32, True)
+        return model.state_dict()
+
+    monkeypatch.setattr(weight_source, "_CHUNK_ELEMENTS", 1 << 40)  # every tensor in one block
+    whole = build()
+    monkeypatch.setattr(weight_source, "_CHUNK_ELEMENTS", 1)  # 64 rows per block
+    read_rows = []
+    original_get = weight_source.GGUFWeights.get
+
+    def recording_get(self, name, rows=weight_source.ALL_ROWS):
+        tensor = original_get(self, name, rows)
+        read_rows.append(len(tensor) if tensor.ndim == 2 else 0)
+        return tensor
+
+    monkeypatch.setattr(weight_source.GGUFWeights, "get", recording_get)
+    blocks = build()
+    assert max(read_rows) == 64  # the embedding and head have 4x more rows
+    assert whole.keys() == blocks.keys()
+    for key in whole:
+        assert torch.equal(whole[key], blocks[key]), key
+
+
+@pytest.mark.parametrize("mixed_gguf", ["qwen2", "llama"], indirect=True)
+def test_gguf_rows_read_alone_equal_the_same_rows_of_the_whole(mixed_gguf):
+    source = weight_source.GGUFWeights(mixed_gguf)
+    rows = slice(64, 192)
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+                 "layers.0.self_attn.v_proj.weight", "embed_tokens.weight"):
+        assert source.shape(name) == tuple(source.get(name).shape)
+        assert torch.equal(source.get(name, rows), source.get(name)[rows]), name
+    name = "layers.0.mlp.gate_proj.weight"
+    for part, whole in zip(source.q4_k(name, rows), source.q4_k(name)):
+        assert torch.equal(part, whole[rows])
+
+
+def test_int4_blocks_pack_like_the_whole_whatever_their_row_counts():
+    weight = torch.randn(64 * 3 + 48, 64, generator=torch.Generator().manual_seed(1))  # [N, K]
+    whole = Int4Linear.from_weight(weight, None, 32, torch.float32)
+    groups = minmax_groups(weight, 32)
+    sizes = [48, 40, 24, 100, 28]  # none a multiple of 64: the layer regroups them before packing
+    blocks = zip(*(part.split(sizes) for part in groups))
+    layer = Int4Linear.from_groups(blocks, None, 32, torch.float32)
+    assert torch.equal(layer.packed, whole.packed)
+    assert torch.equal(layer.scales_and_zeros, whole.scales_and_zeros)
+
+
+def test_rows_in_multiples_regroups_without_losing_or_reordering_rows():
+    rows = torch.arange(23)
+    blocks = [(part,) for part in rows.split([5, 3, 9, 6])]
+    regrouped = [block[0] for block in rows_in_multiples(blocks, 4)]
+    assert [len(b) for b in regrouped] == [4, 4, 8, 4, 3]
+    assert torch.equal(torch.cat(regrouped), rows)

@@ -135,11 +135,12 @@ def hf_name(gguf_name: str) -> str:
 _DEQUANTIZE_ROWS = 4096  # gguf-py's dequantizers make several full-size temporaries: bound them by chunks
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
-    """One GGUF tensor -> float32 array in PyTorch's [out, in] layout, a chunk of rows at a time."""
+def dequantize_tensor(tensor, rows: slice = slice(None)) -> np.ndarray:
+    """One GGUF tensor (or the rows `rows` of a 2-D one) -> float32 array in PyTorch's [out, in] layout,
+    dequantized a chunk of rows at a time."""
     from gguf import dequantize
 
-    data = tensor.data  # [rows, bytes per row] for quantized types, [rows, columns] otherwise
+    data = tensor.data[rows]  # [rows, bytes per row] for quantized types, [rows, columns] otherwise
     if data.ndim < 2 or len(data) <= _DEQUANTIZE_ROWS:
         array = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
         # Unquantized tensors come back as read-only views of the memory-mapped file; torch wants its own copy.
@@ -160,14 +161,21 @@ def unpermute_llama_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def permuted_heads(name: str, config: ModelConfig, permute: bool) -> int | None:
+    """How many heads a llama-architecture file (`permute`) interleaved the rows of tensor `name` over, or None
+    when its rows are stored in Hugging Face order."""
+    if permute and ".q_proj." in name:
+        return config.num_heads
+    if permute and ".k_proj." in name:
+        return config.num_kv_heads
+    return None
+
+
 def to_hf_rows(name: str, tensor: torch.Tensor, config: ModelConfig, permute: bool) -> torch.Tensor:
     """A tensor (weight, bias, or per-row int4 codes/scales) under Hugging Face `name`, with q/k rows back in
     Hugging Face order when the file is a llama-architecture one (`permute`)."""
-    if permute and ".q_proj." in name:
-        return unpermute_llama_qk(tensor, config.num_heads)
-    if permute and ".k_proj." in name:
-        return unpermute_llama_qk(tensor, config.num_kv_heads)
-    return tensor
+    heads = permuted_heads(name, config, permute)
+    return tensor if heads is None else unpermute_llama_qk(tensor, heads)
 
 
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:

@@ -15,12 +15,14 @@ Q4_K_GROUP = 32
 _BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of packed scales and mins, 128 bytes of 4-bit codes
 
 
-def q4_k_groups(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_K GGUF tensor -> codes [N, K] int32, scales [N, K/32] and zeros [N, K/32] float32."""
+def q4_k_groups(tensor, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K GGUF tensor (or its rows `rows`) -> codes [N, K] int32, scales [N, K/32] and zeros [N, K/32]
+    float32."""
     from gguf.quants import Q4_K
 
-    rows, columns = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
-    blocks = np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES)  # [B, 144], B = N*K/256
+    data = np.asarray(tensor.data[rows])  # [N, K/256*144]: every row holds whole blocks
+    n_rows, columns = len(data), int(tensor.shape[0])  # GGUF lists dims innermost first
+    blocks = data.reshape(-1, _BLOCK_BYTES)  # [B, 144], B = N*K/256
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [B, 1]
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [B, 8] each
@@ -28,6 +30,6 @@ def q4_k_groups(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [B, 4, 2, 32]
     scales = d * sc.astype(np.float32)  # [B, 8]
     zeros = 8 * scales - dmin * m.astype(np.float32)  # [B, 8]
-    return (torch.from_numpy(codes.reshape(rows, columns).astype(np.int32)),
-            torch.from_numpy(scales.reshape(rows, columns // Q4_K_GROUP)),
-            torch.from_numpy(zeros.reshape(rows, columns // Q4_K_GROUP)))
+    return (torch.from_numpy(codes.reshape(n_rows, columns).astype(np.int32)),
+            torch.from_numpy(scales.reshape(n_rows, columns // Q4_K_GROUP)),
+            torch.from_numpy(zeros.reshape(n_rows, columns // Q4_K_GROUP)))

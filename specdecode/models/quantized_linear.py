@@ -7,17 +7,35 @@ self: greedy identity holds against the model as loaded, quantization included.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
 
+_INT4_PACK_ROWS = 64  # the int4 CPU packing lays out rows in blocks of 64, with a differently laid-out tail
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
 
 
-def _row_chunks(rows: int, size: int = 4096) -> list[slice]:
-    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+def row_blocks_of(weight: torch.Tensor, size: int = 4096) -> Iterator[torch.Tensor]:
+    """A weight [N, K] as blocks of rows, so that float temporaries stay one block in size."""
+    return (weight[start : start + size] for start in range(0, weight.shape[0], size))
+
+
+def rows_in_multiples(blocks: Iterable[tuple[torch.Tensor, ...]], multiple: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The same rows regrouped so that every block but the last holds a multiple of `multiple` rows."""
+    carry: tuple[torch.Tensor, ...] | None = None
+    for block in blocks:
+        if carry is not None:
+            block = tuple(torch.cat([c, b]) for c, b in zip(carry, block))
+        whole = len(block[0]) - len(block[0]) % multiple
+        if whole:
+            yield tuple(b[:whole] for b in block)
+        carry = tuple(b[whole:] for b in block) if whole < len(block[0]) else None
+    if carry is not None:
+        yield carry
 
 
 def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +65,18 @@ def check_quant(mode: str, group_size: int) -> None:
                               f"got {group_size}")
 
 
+def minmax_groups(block: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min-max int4 quantization of each group of a block of rows [n, K]: codes [n, K] in [0, 15], and the
+    scales and zeros [n, K/G] of w = (q - 8) * scale + zero."""
+    rows, in_features = block.shape
+    groups = block.detach().float().reshape(rows, in_features // group_size, group_size)  # [n, K/G, G]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [n, K/G] each
+    scales = ((high - low) / 15).clamp_min(1e-12)  # [n, K/G]
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [n, K/G, G]
+    # the zero moves the kernel's (q - 8) back to low + q * scale
+    return codes.to(torch.int32).reshape(rows, in_features), scales, low + 8 * scales
+
+
 class Int8Linear(nn.Module):
     """int8 codes with one scale per output channel: w = q * scale."""
 
@@ -59,15 +89,19 @@ class Int8Linear(nn.Module):
         self.out_features = weight.shape[0]
 
     @classmethod
+    def from_blocks(cls, blocks: Iterable[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        """Symmetric round-to-nearest of a float weight given as blocks of rows [n, K], one scale per row."""
+        codes, scales = [], []
+        for block in blocks:
+            block = block.detach().float()  # [n, K]
+            scale = block.abs().amax(dim=1).clamp_min(1e-12) / 127  # [n]
+            codes.append(torch.round(block / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            scales.append(scale)
+        return cls(torch.cat(codes), torch.cat(scales).to(dtype), bias)
+
+    @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
-        """Symmetric round-to-nearest of a float weight [N, K], one scale per row."""
-        codes = torch.empty(weight.shape, dtype=torch.int8)  # [N, K]
-        scales = torch.empty(weight.shape[0])  # [N]
-        for rows in _row_chunks(weight.shape[0]):  # float temporaries stay one chunk in size
-            chunk = weight[rows].detach().float()  # [n, K]
-            scales[rows] = chunk.abs().amax(dim=1).clamp_min(1e-12) / 127
-            codes[rows] = torch.round(chunk / scales[rows, None]).clamp(-127, 127).to(torch.int8)
-        return cls(codes, scales.to(dtype), bias)
+        return cls.from_blocks(row_blocks_of(weight), bias, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -95,31 +129,24 @@ class Int4Linear(nn.Module):
         self.out_features = scales_and_zeros.shape[1]
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                   group_size: int, dtype: torch.dtype) -> Int4Linear:
-        """codes [N, K] int32 in [0, 15]; scales, zeros [N, K/G]."""
-        _check_int4_shape(*codes.shape, group_size)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        return cls(packed, _scales_and_zeros(scales, zeros, dtype), bias, group_size)
+    def from_groups(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bias: torch.Tensor | None,
+                    group_size: int, dtype: torch.dtype) -> Int4Linear:
+        """Blocks of rows of (codes [n, K] int32 in [0, 15], scales [n, K/G], zeros [n, K/G])."""
+        packed, scales, zeros = [], [], []
+        # Packing blocks separately equals packing the whole only at 64-row boundaries.
+        for codes, block_scales, block_zeros in rows_in_multiples(blocks, _INT4_PACK_ROWS):
+            _check_int4_shape(*codes.shape, group_size)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            scales.append(block_scales)
+            zeros.append(block_zeros)
+        return cls(torch.cat(packed), _scales_and_zeros(torch.cat(scales), torch.cat(zeros), dtype), bias, group_size)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                     dtype: torch.dtype) -> Int4Linear:
-        """Min-max quantization of each group of a float weight [N, K]."""
-        out_features, in_features = weight.shape
-        _check_int4_shape(out_features, in_features, group_size)
-        packed = []  # the packed layout is row by row, so chunks pack separately and stack
-        scales = torch.empty(out_features, in_features // group_size)  # [N, K/G]
-        zeros = torch.empty_like(scales)  # [N, K/G]
-        for rows in _row_chunks(out_features):  # float and int32 temporaries stay one chunk in size
-            groups = weight[rows].detach().float().reshape(-1, in_features // group_size, group_size)  # [n, K/G, G]
-            low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [n, K/G] each
-            scales[rows] = ((high - low) / 15).clamp_min(1e-12)
-            codes = torch.round((groups - low[..., None]) / scales[rows, :, None]).clamp(0, 15)  # [n, K/G, G]
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                codes.to(torch.int32).reshape(-1, in_features), 1))
-            zeros[rows] = low + 8 * scales[rows]  # moves the kernel's (q - 8) back to low + q * scale
-        return cls(torch.cat(packed), _scales_and_zeros(scales, zeros, dtype), bias, group_size)
+        _check_int4_shape(*weight.shape, group_size)
+        return cls.from_groups((minmax_groups(block, group_size) for block in row_blocks_of(weight)), bias,
+                               group_size, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:

@@ -1,8 +1,7 @@
 """A weight-only quantized model, built straight from its source one layer at a time, and cached.
 
-Building reads one tensor, quantizes it a chunk of rows at a time and lets the float copy go, so memory holds
-the quantized model plus one tensor in float32, never a whole float model (the 1.5B's peak is measured in
-docs/benchmarks/README.md). The result is saved in the kernels' own packed layout, so later starts only read
+Building reads a block of rows at a time, quantizes it and lets the float copy go, so memory holds the
+quantized model plus one block of rows in float32 (the 1.5B's peak is measured in docs/benchmarks/README.md). The result is saved in the kernels' own packed layout, so later starts only read
 a file.
 
 Which format each linear layer gets:
@@ -31,10 +30,11 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.atomic_folder import write_folder_atomically
 from specdecode.models.gguf_int4 import Q4_K_GROUP
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
 from specdecode.models.registry import cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
+from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
+    stacked_as
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-2"
@@ -69,7 +69,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     with torch.device("meta"):
         model = Transformer(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    floats = {name: stacked(source, names).to(dtype) for name, names in sources.items()
+    floats = {name: stacked_as(source, names, dtype) for name, names in sources.items()
               if name.removesuffix(".weight") not in linears}  # norms, biases, embedding
     model.load_state_dict(floats, strict=False, assign=True)
     for name in tqdm(linears, desc=f"quantizing {where.name} to {quant}", unit="layer", disable=quiet):
@@ -84,17 +84,15 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
 
 def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias: torch.Tensor | None, quant: str,
                     group_size: int, dtype: torch.dtype) -> nn.Module:
-    """One linear layer whose weight stacks the tensors `names` along the output dimension."""
-    if quant == "int4" and group_size == Q4_K_GROUP:
-        groups = [source.q4_k(n) for n in names]
-        if all(g is not None for g in groups):
-            codes, scales, zeros = (torch.cat([g[k] for g in groups]) for k in range(3))  # stacked output rows
-            if int4_fits(*codes.shape, Q4_K_GROUP):
-                return Int4Linear.from_codes(codes, scales, zeros, bias, Q4_K_GROUP, dtype)
-    weight = stacked(source, names)  # [N, K] float32
-    if quant == "int8" or not int4_fits(*weight.shape, group_size):
-        return Int8Linear.from_weight(weight, bias, dtype)  # the int4 kernel cannot tile this layer
-    return Int4Linear.from_weight(weight, bias, group_size, dtype)
+    """One linear layer whose weight stacks the tensors `names` along the output dimension, read a block of
+    rows at a time."""
+    rows = sum(source.shape(n)[0] for n in names)
+    if quant == "int8" or not int4_fits(rows, source.shape(names[0])[1], group_size):
+        return Int8Linear.from_blocks(row_blocks(source, names, source.get), bias, dtype)
+    if group_size == Q4_K_GROUP and all(source.is_q4_k(n) for n in names):
+        return Int4Linear.from_groups(row_blocks(source, names, source.q4_k), bias, Q4_K_GROUP, dtype)
+    groups = (minmax_groups(block, group_size) for block in row_blocks(source, names, source.get))
+    return Int4Linear.from_groups(groups, bias, group_size, dtype)
 
 
 def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:

@@ -1,11 +1,14 @@
-"""Where a model's tensors come from, read one at a time: a Hugging Face-style folder or a GGUF file.
+"""Where a model's tensors come from, read a block of rows at a time: a Hugging Face-style folder or a GGUF file.
 
-Reading tensor by tensor keeps a quantized load from ever holding the whole model in float: a layer is
-dequantized, requantized and dropped before the next one is read.
+Reading by rows keeps a quantized load from ever holding a whole tensor in float32, let alone the model: a
+block is dequantized, requantized and dropped before the next one is read, so the peak stays near the size of
+the result (the 1.5B's is measured in docs/benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,10 +16,12 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_convert import config_from_gguf, dequantize_tensor, field_value, hf_name, open_gguf, \
-    to_hf_rows
+    permuted_heads, unpermute_llama_qk
 from specdecode.models.gguf_int4 import q4_k_groups
 from specdecode.models.model_config import ModelConfig
 
+ALL_ROWS = slice(None)
+_CHUNK_ELEMENTS = 1 << 23  # 32 MB of float32 per block of rows, whatever the row length
 
 def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Each of our parameter names -> the Hugging Face names (without "model.") stacked into it, in order.
@@ -78,15 +83,21 @@ class FolderWeights:
     def names(self) -> set[str]:
         return set(self._file_of)
 
-    def get(self, name: str) -> torch.Tensor:
+    def shape(self, name: str) -> tuple[int, ...]:
+        file, key = self._file_of[name]
+        return tuple(self._handles[file].get_slice(key).get_shape())
+
+    def get(self, name: str, rows: slice = ALL_ROWS) -> torch.Tensor:
+        """The tensor, or its rows `rows`, in the stored dtype."""
         file, key = self._file_of[name]
         try:
-            return self._handles[file].get_tensor(key)
+            handle = self._handles[file]
+            return handle.get_tensor(key) if rows == ALL_ROWS else handle.get_slice(key)[rows]
         except (SafetensorError, OSError) as error:
             raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
 
-    def q4_k(self, name: str) -> None:
-        return None  # safetensors hold float weights only
+    def is_q4_k(self, name: str) -> bool:
+        return False  # safetensors hold float weights only
 
 
 class GGUFWeights:
@@ -101,22 +112,55 @@ class GGUFWeights:
     def names(self) -> set[str]:
         return set(self._tensors)
 
-    def get(self, name: str) -> torch.Tensor:
-        """float32 in PyTorch's [out, in] layout, q/k rows back in Hugging Face order."""
-        return to_hf_rows(name, torch.from_numpy(dequantize_tensor(self._tensors[name])), self.config,
-                          self._permute)
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims innermost first
 
-    def q4_k(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A Q4_K tensor's exact int4 groups (codes, scales, zeros), or None for any other type."""
+    def get(self, name: str, rows: slice = ALL_ROWS) -> torch.Tensor:
+        """The tensor, or its rows `rows`, in float32 in PyTorch's [out, in] layout, q/k rows back in Hugging
+        Face order."""
+        tensor = self._tensors[name]
+        heads = permuted_heads(name, self.config, self._permute)
+        if heads is None:
+            return torch.from_numpy(dequantize_tensor(tensor, rows))
+        # llama q/k rows are interleaved within each head, so they are read whole; they are among the smallest
+        return unpermute_llama_qk(torch.from_numpy(dequantize_tensor(tensor)), heads)[rows]
+
+    def is_q4_k(self, name: str) -> bool:
         from gguf import GGMLQuantizationType
 
+        return self._tensors[name].tensor_type == GGMLQuantizationType.Q4_K
+
+    def q4_k(self, name: str, rows: slice = ALL_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Q4_K tensor's (or its rows') exact int4 groups: codes [N, K], scales and zeros [N, K/32]."""
         tensor = self._tensors[name]
-        if tensor.tensor_type != GGMLQuantizationType.Q4_K:
-            return None
-        return tuple(to_hf_rows(name, part, self.config, self._permute) for part in q4_k_groups(tensor))
+        heads = permuted_heads(name, self.config, self._permute)
+        if heads is None:
+            return q4_k_groups(tensor, rows)
+        return tuple(unpermute_llama_qk(part, heads)[rows] for part in q4_k_groups(tensor))
 
 
 def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:
     """The tensors `names` stacked along dim 0, without a copy when there is only one."""
     parts = [source.get(n) for n in names]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def stacked_as(source: FolderWeights | GGUFWeights, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    """`stacked(...).to(dtype)` without ever holding a whole tensor in float32 (the embedding's is 0.9 GB)."""
+    shapes = [source.shape(n) for n in names]
+    out = torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype)  # [N, ...]
+    start = 0
+    for chunk in row_blocks(source, names, source.get):
+        out[start : start + len(chunk)] = chunk
+        start += len(chunk)
+    return out
+
+
+def row_blocks(source: FolderWeights | GGUFWeights, names: list[str], read: Callable) -> Iterator:
+    """`read(name, rows)` over the tensors `names` in stacking order, a block of about 32 MB of float32 rows
+    at a time."""
+    for name in names:
+        shape = source.shape(name)
+        step = max(64, _CHUNK_ELEMENTS // math.prod(shape[1:]) // 64 * 64)
+        for start in range(0, shape[0], step):
+            yield read(name, slice(start, min(start + step, shape[0])))
