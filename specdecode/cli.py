@@ -19,10 +19,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
     group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--quant", default="none", help="target weights: none, int8 (per channel) or int4 (group-wise); "
-                       "greedy identity holds against the target as loaded, quantization included")
+    group.add_argument("--quant", default="none", help="target weights: none, int8 (per channel), int4 (group-wise) or "
+                       "w4a8 (int4 weights with int8 activations, flat cost in tokens per forward; AVX-512 VNNI "
+                       "CPUs, compiled at first use); greedy identity holds against the target as loaded, "
+                       "quantization included")
     group.add_argument("--draft-quant", default="auto",
-                       help="draft weights: auto (int4 on CPU, else none), none, int8 or int4; a cheaper draft "
+                       help="draft weights: auto (int4 on CPU, else none), none, int8, int4 or w4a8; a cheaper draft "
                        "never changes the output")
     group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
     group.add_argument("--context", type=int, help="context limit in tokens (default: the model's)")

@@ -15,7 +15,7 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 
 _INT4_PACK_ROWS = 64  # the int4 CPU packing lays out rows in blocks of 64, with a differently laid-out tail
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "w4a8")  # w4a8: int4 weights, int8 activations (w4a8_linear.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
 
 
@@ -63,6 +63,8 @@ def check_quant(mode: str, group_size: int) -> None:
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise SpecDecodeError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                               f"got {group_size}")
+    if mode == "w4a8" and group_size != 32:
+        raise SpecDecodeError(f"w4a8 uses groups of 32 (its kernel's); got --group-size {group_size}")
 
 
 def minmax_groups(block: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

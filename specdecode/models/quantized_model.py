@@ -1,8 +1,8 @@
 """A weight-only quantized model, built straight from its source one layer at a time, and cached.
 
 Building reads a block of rows at a time, quantizes it and lets the float copy go, so memory holds the
-quantized model plus one block of rows in float32 (the 1.5B's peak is measured in docs/benchmarks/README.md). The result is saved in the kernels' own packed layout, so later starts only read
-a file.
+quantized model plus one block of rows in float32 (the 1.5B's peak is measured in docs/benchmarks/README.md).
+The result is saved in the kernels' own packed layout, so later starts only read a file.
 
 Which format each linear layer gets:
 - int8: every layer, per output channel.
@@ -12,6 +12,7 @@ Which format each linear layer gets:
   because on CPU the int8 kernel streams weights at about 2/3 the speed of the int4 one and costs 2-4x more
   for 4-8 rows (measured in docs/benchmarks/README.md), which made the 1.5B target 26% slower per token.
   A layer the int4 kernel cannot tile (outputs not a multiple of 16, inputs not of the group size) is int8.
+- w4a8: the int4 weights above (groups of 32) for w4a8_linear.py's kernel, which also rounds activations.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from specdecode.models.model_config import ModelConfig
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
 from specdecode.models.registry import cache_dir
 from specdecode.models.transformer import Transformer
+from specdecode.models.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
 from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
     stacked_as
 
@@ -55,6 +57,8 @@ def load_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, whe
                    write_extra: Callable[[Path], None] | None = None) -> Transformer:
     """From the cache when it holds this model, else built from `source` and then saved there together with
     whatever `write_extra(folder)` adds (a GGUF file's tokenizer)."""
+    if quant == "w4a8":
+        load_kernel(quiet)  # compiled now, with a message, rather than silently at the first forward
     if (cache / WEIGHTS_FILE).is_file():
         return read_quantized(cache / WEIGHTS_FILE, config, dtype)
     model = build_quantized(source, config, where, dtype, quant, group_size, quiet)
@@ -86,12 +90,16 @@ def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias:
                     group_size: int, dtype: torch.dtype) -> nn.Module:
     """One linear layer whose weight stacks the tensors `names` along the output dimension, read a block of
     rows at a time."""
-    rows = sum(source.shape(n)[0] for n in names)
-    if quant == "int8" or not int4_fits(rows, source.shape(names[0])[1], group_size):
+    shape = (sum(source.shape(n)[0] for n in names), source.shape(names[0])[1])  # [N, K]
+    fits = w4a8_fits(*shape) if quant == "w4a8" else int4_fits(*shape, group_size)
+    if quant == "int8" or not fits:
         return Int8Linear.from_blocks(row_blocks(source, names, source.get), bias, dtype)
     if group_size == Q4_K_GROUP and all(source.is_q4_k(n) for n in names):
-        return Int4Linear.from_groups(row_blocks(source, names, source.q4_k), bias, Q4_K_GROUP, dtype)
-    groups = (minmax_groups(block, group_size) for block in row_blocks(source, names, source.get))
+        groups = row_blocks(source, names, source.q4_k)
+    else:
+        groups = (minmax_groups(block, group_size) for block in row_blocks(source, names, source.get))
+    if quant == "w4a8":
+        return W4A8Linear.from_groups(groups, bias)
     return Int4Linear.from_groups(groups, bias, group_size, dtype)
 
 
@@ -123,7 +131,9 @@ def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Trans
             continue
         # Shells of the right kind and shape; load_state_dict below then checks every key.
         bias = state.get(f"{name}.bias")
-        if f"{name}.packed" in state:
+        if f"{name}.offsets" in state:
+            layer = W4A8Linear(state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.offsets"], bias)
+        elif f"{name}.packed" in state:
             scales_and_zeros = state[f"{name}.scales_and_zeros"]  # [K/G, N, 2]
             group_size = module.in_features // scales_and_zeros.shape[0]
             layer = Int4Linear(state[f"{name}.packed"], scales_and_zeros, bias, group_size)

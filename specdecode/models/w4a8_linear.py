@@ -1,0 +1,122 @@
+"""int4 weights x int8 activations on AVX-512 VNNI: a CPU linear layer whose cost stays nearly flat in the
+number of rows, so verifying several drafted tokens costs little more than decoding one.
+
+PyTorch's int4 CPU kernel dequantizes every weight to float again for every row, so a forward of 8 tokens
+costs 3x one of a single token (docs/benchmarks/README.md), which is what makes speculation barely pay on an
+int4 target. Here activations are quantized to int8 per group of 32 inputs (as llama.cpp quantizes its
+activations), integer dot products (vpdpbusd) consume the 4-bit codes directly, and a block of codes is
+unpacked once for up to 8 rows.
+
+This is a different model from `--quant int4`: activations are rounded too. It is the same model for every
+batch of rows, though: each row is quantized on its own and summed in the same order whatever the number of
+rows, so a token's output does not depend on how many tokens share the forward (tested bit for bit).
+
+The kernel (w4a8_kernel.cpp) is compiled at first use by torch.utils.cpp_extension (g++ and ninja) into
+torch's extensions folder, about 35 s once per machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterable
+from typing import ClassVar
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.quantized_linear import rows_in_multiples
+
+W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
+_TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums
+_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+
+
+def w4a8_fits(out_features: int, in_features: int) -> bool:
+    return out_features % _TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
+
+
+def load_kernel(quiet: bool = True):
+    """The compiled extension, built on first use; one clear error where this CPU or machine cannot."""
+    flags = _cpu_flags()
+    missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in flags]
+    if missing:
+        raise SpecDecodeError(f"--quant w4a8 needs a CPU with {', '.join(_NEEDED_CPU_FLAGS)}; this one lacks "
+                              f"{', '.join(missing)}: use --quant int4")
+    return _compiled(quiet)
+
+
+@functools.cache
+def _compiled(quiet: bool):
+    from torch.utils.cpp_extension import load
+
+    if not quiet:
+        print("compiling the w4a8 kernel (once per machine, about 35 s)", file=sys.stderr, flush=True)
+    try:
+        return load(name="specdecode_w4a8", sources=[str(Path(__file__).with_name("w4a8_kernel.cpp"))],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:
+        raise SpecDecodeError(f"could not compile the w4a8 kernel (it needs g++ and ninja): "
+                              f"{str(error).splitlines()[0]}; use --quant int4") from None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """codes [n, K] in [0, 15], scales and offsets [n, K/32] (w = code * scale + offset), n a multiple of 16
+    -> the kernel's layout (see w4a8_kernel.cpp): codes [n/16, K/32, 256] uint8, scales, offsets
+    [n/16, K/32, 16] float16."""
+    rows, in_features = codes.shape
+    tiles, groups = rows // _TILE_ROWS, in_features // W4A8_GROUP
+    quads = codes.to(torch.uint8).view(tiles, _TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, 8, 16, 4]
+    packed = quads[:, :, :4] | (quads[:, :, 4:] << 4)  # [T, G, 4, 16, 4]: inputs 16-31 in the high nibbles
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:  # [n, G] -> [T, G, 16]
+        return values.reshape(tiles, _TILE_ROWS, groups).permute(0, 2, 1).to(torch.float16).contiguous()
+
+    return packed.reshape(tiles, groups, 256).contiguous(), per_tile(scales), per_tile(offsets)
+
+
+class W4A8Linear(nn.Module):
+    """w = code * scale + offset per group of 32 inputs, codes in [0, 15]; activations int8 per group of 32."""
+
+    batch_invariant: ClassVar[bool] = True  # read by Transformer.finish_loading
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None):
+        """codes [N/16, K/32, 256] uint8; scales, offsets [N/16, K/32, 16] float16 (w4a8_kernel.cpp's layout)."""
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
+        self.register_buffer("bias", bias.detach() if bias is not None else None)  # saved with the layer
+        self.out_features = codes.shape[0] * _TILE_ROWS
+        self.in_features = codes.shape[1] * W4A8_GROUP
+
+    @classmethod
+    def from_groups(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    bias: torch.Tensor | None) -> W4A8Linear:
+        """Blocks of rows of (codes [n, K] in [0, 15], scales [n, K/32], zeros [n, K/32]) in the int4 layers'
+        convention w = (code - 8) * scale + zero, the one GGUF Q4_K groups and min-max quantization give."""
+        parts = []
+        for codes, scales, zeros in rows_in_multiples(blocks, _TILE_ROWS):
+            if not w4a8_fits(*codes.shape):
+                raise SpecDecodeError(f"w4a8 needs output sizes divisible by {_TILE_ROWS} and input sizes by "
+                                      f"{W4A8_GROUP}; a layer has {codes.shape[0]} x {codes.shape[1]}")
+            parts.append(pack_tiles(codes, scales.float(), zeros.float() - 8 * scales.float()))
+        return cls(*(torch.cat(part) for part in zip(*parts)), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()  # [R, K]: the kernel reads float32 rows
+        out = load_kernel().w4a8_mm(flat, self.codes, self.scales, self.offsets).to(x.dtype)  # [R, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,124 @@
+"""int4 x int8 (w4a8) layers: the kernel against a reference in PyTorch, bitwise batch invariance, and greedy
+identity of every method on a w4a8 target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from gguf_files import Q4_K, Q6_K, write_gguf
+
+from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.models import quantized_model, w4a8_linear
+from specdecode.models.loader import load_model
+from specdecode.models.quantized_linear import Int4Linear, Int8Linear, minmax_groups
+from specdecode.models.w4a8_linear import W4A8Linear
+
+
+def layer_and_weight(out_features: int, in_features: int, seed: int = 0) -> tuple[W4A8Linear, torch.Tensor]:
+    """A w4a8 layer and the weight [N, K] it computes with (codes times its float16 scales and offsets)."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scales, zeros = minmax_groups(weight, 32)  # [N, K], [N, K/32] x 2
+    layer = W4A8Linear.from_groups([(codes, scales, zeros)], None)
+    scales16 = scales.half().float()
+    offsets16 = (zeros - 8 * scales).half().float()
+    groups = codes.float().reshape(out_features, -1, 32) * scales16[..., None] + offsets16[..., None]
+    return layer, groups.reshape(out_features, in_features)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as the kernel rounds it: int8 per group of 32, scale max|x| / 127."""
+    groups = x.reshape(len(x), -1, 32)  # [M, K/32, 32]
+    scales = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / scales).clamp(-127, 127) * scales).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("shape", [(48, 64), (256, 512)])
+def test_kernel_equals_quantized_activations_times_its_weight(rows, shape):
+    layer, weight = layer_and_weight(*shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))  # [M, K]
+    expected = quantized_activations(x) @ weight.t()  # [M, N]
+    # Integer sums are exact; what differs is float32 rounding of the per-group scaling.
+    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # Rounding activations to int8 costs little against the float activations: within 1% of the output scale.
+    assert (layer(x) - x @ weight.t()).abs().max() < 0.01 * (x @ weight.t()).abs().max()
+
+
+def test_each_row_gets_the_same_bits_alone_or_in_any_batch():
+    layer, _ = layer_and_weight(64, 256, seed=1)
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(2))  # [M, K]
+    together = layer(x)
+    for start, stop in ((0, 1), (3, 11), (5, 19), (18, 19)):
+        assert torch.equal(layer(x[start:stop]), together[start:stop])
+    assert torch.equal(layer(x.reshape(1, 19, 256)).reshape(19, -1), together)  # 3-D input, same shape rules
+
+
+def test_blocks_of_any_row_count_pack_like_the_whole():
+    weight = torch.randn(80, 64, generator=torch.Generator().manual_seed(3))  # [N, K]
+    whole = W4A8Linear.from_groups([minmax_groups(weight, 32)], None)
+    blocks = zip(*(part.split([24, 40, 16]) for part in minmax_groups(weight, 32)))
+    pieces = W4A8Linear.from_groups(blocks, None)
+    for name in ("codes", "scales", "offsets"):
+        assert torch.equal(getattr(pieces, name), getattr(whole, name))
+
+
+def test_w4a8_target_is_lossless_for_every_method(tmp_path):
+    folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
+    target = load_model(folder, dtype="bfloat16", quant="w4a8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in target.model.modules())
+    engine = Engine(target, load_model(folder, dtype="bfloat16", quant="int4"))
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in ("hello hello hello", "The quick brown fox"):
+        plain = engine.complete(prompt, sampling, SpecConfig("none"))
+        for method in ("ngram", "draft", "ngram,draft"):
+            result = engine.complete(prompt, sampling, SpecConfig(method))
+            assert result.token_ids == plain.token_ids, (prompt, method)
+            assert result.stats.accepted_tokens > 0
+
+
+def test_w4a8_from_gguf_keeps_q4_k_codes_and_reloads_from_the_cache(tmp_path, cache, monkeypatch):
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, num_hidden_layers=1)
+    source = save_tiny_model(tmp_path / "hf", "qwen2", seed=5, tie_word_embeddings=False, **shape)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, source, "qwen2", qtypes={"ffn_gate.weight": Q4_K, "ffn_up.weight": Q4_K,
+                                              "ffn_down.weight": Q6_K})
+    built = load_model(path, dtype="float32", quant="w4a8").model
+    int4 = load_model(path, dtype="float32", quant="int4").model
+    gate_up = built.layers[0].mlp.gate_up  # both halves Q4_K: the file's own codes
+    assert isinstance(gate_up, W4A8Linear) and isinstance(int4.layers[0].mlp.gate_up, Int4Linear)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(6))  # [M, K]
+    with torch.inference_mode():
+        reference = int4.layers[0].mlp.gate_up(quantized_activations(x))  # same weights, same rounded inputs
+        error = (gate_up(x) - reference).abs().max()
+        assert error < 1e-3 * reference.abs().max()  # float16 scales and offsets against float32 ones
+
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt although the w4a8 model is cached")
+
+    monkeypatch.setattr(quantized_model, "build_quantized", fail)
+    cached = load_model(path, dtype="float32", quant="w4a8").model
+    tokens = torch.arange(9).unsqueeze(0)  # [1, 9]
+    with torch.inference_mode():
+        logits = [m(tokens, torch.arange(9).unsqueeze(0), m.new_cache(9)).logits for m in (built, cached)]
+    assert torch.equal(*logits)
+
+
+def test_layers_the_kernel_cannot_tile_fall_back_to_int8(tmp_path):
+    folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
+    model = load_model(folder, dtype="float32", quant="w4a8").model
+    kinds = {type(m) for m in model.modules() if isinstance(m, (W4A8Linear, Int8Linear))}
+    assert W4A8Linear in kinds
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            assert module.out_features % 16 or module.weight.shape[1] % 32
+
+
+def test_clear_errors_for_group_size_and_cpus_without_vnni(tmp_path, monkeypatch):
+    folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
+    with pytest.raises(SpecDecodeError, match="w4a8 uses groups of 32"):
+        load_model(folder, dtype="float32", quant="w4a8", group_size=64)
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx2", "f16c"})
+    with pytest.raises(SpecDecodeError, match="lacks avx512f, avx512bw, avx512_vnni: use --quant int4"):
+        load_model(folder, dtype="float32", quant="w4a8")
