@@ -6,7 +6,9 @@ Each kernel cycles through enough copies of the weight (over 300M parameters) th
 cache: a single weight reused call after call would measure the cache, not memory, and overstate the speed.
 Kernels: oneDNN bf16 with a prepacked weight (our float path), weight-only int8 per channel
 (`_weight_int8pack_mm`), weight-only int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`), and int8 x int8
-with int32 accumulation (`torch._int_mm`, which needs activations quantized too).
+with int32 accumulation (`torch._int_mm`, which needs activations quantized too), and ours: int4 weights x
+int8 activations on AVX-512 VNNI (`--quant w4a8`, specdecode/models/w4a8_kernel.cpp; activation quantization
+included in its time).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import time
 
 import torch
 
-BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0}  # int4: codes + bf16 scale/zero
+from specdecode.models.w4a8_linear import load_kernel
+
+# int4: codes + bf16 scale and zero per 32; w4a8: codes + float16 scale and offset per 32
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0, "w4a8": 0.625}
 
 
 def per_call_ms(calls: list, rounds: int = 3) -> float:
@@ -40,6 +45,10 @@ def main() -> None:
     int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (out_features, in_features), dtype=torch.int32), 1) for _ in range(copies)]
     int4_scales = torch.rand(in_features // 32, out_features, 2).bfloat16()  # [K/32, N, 2]
+    tiles, groups = out_features // 16, in_features // 32
+    w4a8 = [torch.randint(0, 256, (tiles, groups, 256), dtype=torch.uint8) for _ in range(copies)]
+    w4a8_scales = (torch.rand(tiles, groups, 16) * 0.01).half()  # [N/16, K/32, 16]
+    kernel = load_kernel(quiet=False)
     print(f"weight {out_features}x{in_features}, {copies} copies in rotation, {torch.get_num_threads()} threads")
     print("| M | " + " | ".join(f"{name} ms" for name in BYTES_PER_WEIGHT) + " |")
     print("|---|" + "---|" * len(BYTES_PER_WEIGHT))
@@ -53,6 +62,7 @@ def main() -> None:
             "int4": per_call_ms([lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, int4_scales)
                                  for w in int4]),
             "int8 x int8": per_call_ms([lambda w=w: torch._int_mm(x_int8, w.t()) for w in int8]),
+            "w4a8": per_call_ms([lambda w=w: kernel.w4a8_mm(x.float(), w, w4a8_scales, w4a8_scales) for w in w4a8]),
         }
         cells = []
         for name, ms in costs.items():

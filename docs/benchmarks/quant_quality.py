@@ -43,7 +43,7 @@ def main() -> None:
         sequences.append((prompt + answer, len(prompt)))
     expected = [answer_logits(reference.model, ids, start) for ids, start in sequences]
     print("| weights | top-1 agreement with bf16 | mean KL(bf16 || quantized), nats |\n|---|---|---|")
-    for quant in ("int8", "int4"):
+    for quant in ("int8", "int4", "w4a8"):
         model = load_model(DEFAULT_TARGET, quiet=True, quant=quant).model
         agree = total = 0
         kl = 0.0

@@ -73,9 +73,10 @@ class Attention(nn.Module):
             # all rows would sum in a different order (BLAS blocking depends on the row count).
             start = keys.shape[2] - new
             by_row = q.view(batch, kv_heads, group, new, dim)  # [B, Hkv, G, T, D]
-            out = torch.stack([F.scaled_dot_product_attention(by_row[:, :, :, t].contiguous(),
-                                                              keys[:, :, : start + t + 1], values[:, :, : start + t + 1])
-                               for t in range(new)], dim=3).reshape(batch, kv_heads, group * new, dim)
+            rows = [F.scaled_dot_product_attention(by_row[:, :, :, t].contiguous(), keys[:, :, : start + t + 1],
+                                                   values[:, :, : start + t + 1])  # [B, Hkv, G, D]
+                    for t in range(new)]
+            out = torch.stack(rows, dim=3).reshape(batch, kv_heads, group * new, dim)  # [B, Hkv, G*T, D]
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
         out = out.reshape(batch, heads, new, dim).transpose(1, 2).reshape(batch, new, heads * dim)
