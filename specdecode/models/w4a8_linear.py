@@ -62,6 +62,7 @@ def _compiled(quiet: bool):
                               f"{str(error).splitlines()[0]}; use --quant int4") from None
 
 
+@functools.cache  # every forward asks for the kernel; reading /proc/cpuinfo each time cost 80 us a call
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
