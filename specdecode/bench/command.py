@@ -84,7 +84,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(table(summaries))
     if args.out:
         setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
-                 "quant": args.quant, "draft_quant": draft_quant(args) if draft else None, "questions": len(questions), "max_tokens": sampling.max_tokens,
+                 "quant": args.quant, "draft_quant": draft_quant(args) if draft else None,
+                 "questions": len(questions), "max_tokens": sampling.max_tokens,
                  "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
         write_outputs(Path(args.out), summaries, categories, raw, setup)
         print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)

@@ -17,7 +17,6 @@ torch's extensions folder, about 35 s once per machine.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Iterable
 from typing import ClassVar
@@ -38,31 +37,32 @@ def w4a8_fits(out_features: int, in_features: int) -> bool:
     return out_features % _TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
 
 
+_kernel = None  # the compiled extension, once loaded: every forward needs it, so it is found in one lookup
+
+
 def load_kernel(quiet: bool = True):
     """The compiled extension, built on first use; one clear error where this CPU or machine cannot."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
     flags = _cpu_flags()
     missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in flags]
     if missing:
         raise SpecDecodeError(f"--quant w4a8 needs a CPU with {', '.join(_NEEDED_CPU_FLAGS)}; this one lacks "
                               f"{', '.join(missing)}: use --quant int4")
-    return _compiled(quiet)
-
-
-@functools.cache
-def _compiled(quiet: bool):
     from torch.utils.cpp_extension import load
 
     if not quiet:
         print("compiling the w4a8 kernel (once per machine, about 35 s)", file=sys.stderr, flush=True)
     try:
-        return load(name="specdecode_w4a8", sources=[str(Path(__file__).with_name("w4a8_kernel.cpp"))],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        _kernel = load(name="specdecode_w4a8", sources=[str(Path(__file__).with_name("w4a8_kernel.cpp"))],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as error:
         raise SpecDecodeError(f"could not compile the w4a8 kernel (it needs g++ and ninja): "
                               f"{str(error).splitlines()[0]}; use --quant int4") from None
+    return _kernel
 
 
-@functools.cache  # every forward asks for the kernel; reading /proc/cpuinfo each time cost 80 us a call
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -117,7 +117,7 @@ class W4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [R, K]: the kernel reads float32 rows
-        out = load_kernel().w4a8_mm(flat, self.codes, self.scales, self.offsets).to(x.dtype)  # [R, N]
+        out = (_kernel or load_kernel()).w4a8_mm(flat, self.codes, self.scales, self.offsets).to(x.dtype)  # [R, N]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
