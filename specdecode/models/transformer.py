@@ -15,6 +15,7 @@ from torch import nn
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
+from specdecode.models.w4a8_decoder import fused_layers
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +52,6 @@ class Attention(nn.Module):
         cache: KVCache,
         layer: int,
         mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
-        rows_alone: bool = False,  # a causal chain attended one new token at a time, exactly as decoding does
     ) -> torch.Tensor:
         batch, new, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -68,17 +68,7 @@ class Attention(nn.Module):
         q = q.reshape(batch, kv_heads, group * new, dim)  # [B, Hkv, G*T, D]
         if mask is not None:
             mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, -1)
-        if rows_alone:
-            # Token t sees the slots up to its own, in a call shaped like a one-token decode step; one call for
-            # all rows would sum in a different order (BLAS blocking depends on the row count).
-            start = keys.shape[2] - new
-            by_row = q.view(batch, kv_heads, group, new, dim)  # [B, Hkv, G, T, D]
-            rows = [F.scaled_dot_product_attention(by_row[:, :, :, t].contiguous(), keys[:, :, : start + t + 1],
-                                                   values[:, :, : start + t + 1])  # [B, Hkv, G, D]
-                    for t in range(new)]
-            out = torch.stack(rows, dim=3).reshape(batch, kv_heads, group * new, dim)  # [B, Hkv, G*T, D]
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
         out = out.reshape(batch, heads, new, dim).transpose(1, 2).reshape(batch, new, heads * dim)
         return self.o(out)
 
@@ -120,7 +110,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RopeTable | None = None
         self.rope_factors: torch.Tensor | None = None
-        self.batch_invariant = False
+        self.fused_layers: list | None = None
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
         """Once the weights (and so dtype and device) are final: tie a float output head to the embedding where
@@ -128,14 +118,12 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed.weight
         self.rope_factors = rope_factors  # [D/2] llama3 divisors from a GGUF file; kept so a saved copy has them
-        # Only when every matmul gives a token the same bits whatever shares its forward (w4a8_linear.py) does
-        # attending row by row make verification bitwise equal to decoding; otherwise it would only cost time.
-        linears = [self.lm_head] + [m for layer in self.layers
-                                    for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
-        self.batch_invariant = all(getattr(m, "batch_invariant", False) for m in linears)
+        # w4a8 models run each layer as one C++ call (w4a8_decoder.py); their cos/sin table is float32.
+        self.fused_layers = fused_layers(self.layers, self.config, self.dtype)
         weight = self.embed.weight
         inv_freq = inverse_frequencies(self.config, rope_factors)
-        self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, weight.dtype, weight.device)
+        rope_dtype = torch.float32 if self.fused_layers else weight.dtype
+        self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, rope_dtype, weight.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,18 +148,22 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         new = tokens.shape[1]
         cache.check_room(new)
-        rows_alone = (self.batch_invariant and new > 1 and attn_mask is None and len(set(cache.lengths)) == 1
-                      and (self.config.sliding_window is None or cache.lengths[0] + new <= self.config.sliding_window))
-        mask = None if rows_alone else self._mask(positions, cache, attn_mask)
+        mask = self._mask(positions, cache, attn_mask)
         cos, sin = self.rope.lookup(positions)
         cache.record_positions(positions)
         x = self.embed(tokens)  # [B, T, hidden]
         hidden = {0: x} if 0 in hidden_layers else {}
+        if self.fused_layers:
+            x = x.float()  # the fused layers keep the residual stream in float32
         for index, layer in enumerate(self.layers):
-            x = x + layer.attn(layer.attn_norm(x), cos, sin, cache, index, mask, rows_alone)
-            x = x + layer.mlp(layer.mlp_norm(x))
+            if self.fused_layers:
+                x = self.fused_layers[index].forward(x, cache.keys[index], cache.values[index], cache.lengths,
+                                                     cos, sin, mask)
+            else:
+                x = x + layer.attn(layer.attn_norm(x), cos, sin, cache, index, mask)
+                x = x + layer.mlp(layer.mlp_norm(x))
             if index + 1 in hidden_layers:
-                hidden[index + 1] = x
+                hidden[index + 1] = x.to(self.dtype)
         cache.advance(new)
         if logits_at is not None:
             x = x[:, logits_at]

@@ -8,31 +8,32 @@
 // Activations are quantized per row and group of 32 to int8 with scale d; a group's contribution to an
 // output is then d * (scale * sum(code * a) + offset * sum(a)), with the integer sum exact.
 // Each row is quantized on its own and reduced in the same order whatever M is, so results are batch-invariant.
-#include <torch/extension.h>
+#include "w4a8_kernel.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 // Activations [M, K] float32 -> int8 codes per group of 32, with the group's scale d and d * sum(codes).
+// Rounding is to nearest even (cvtps_epi32 under the default rounding mode), as torch.round does.
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
   const int64_t G = K / 32;
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512i lowest = _mm512_set1_epi32(-127), highest = _mm512_set1_epi32(127);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const float* v = x + m * K + g * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
       const float scale = amax / 127.f;
-      const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        int c = (int)std::nearbyint(v[i] * inv);
-        c = std::min(127, std::max(-127, c));
-        q[m * K + g * 32 + i] = (int8_t)c;
-        sum += c;
-      }
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      const __m512i qa = _mm512_min_epi32(highest, _mm512_max_epi32(lowest, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+      const __m512i qb = _mm512_min_epi32(highest, _mm512_max_epi32(lowest, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+      _mm_storeu_si128((__m128i*)(q + m * K + g * 32), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(q + m * K + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
       d[m * G + g] = scale;
-      dsum[m * G + g] = scale * (float)sum;
+      dsum[m * G + g] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
   }
 }
@@ -41,7 +42,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
 // 32 vector registers.
 template <int MB>
 static void tile_rows(const uint8_t* w, const uint16_t* s, const uint16_t* z, const int8_t* q, const float* d,
-                      const float* dsum, int64_t K, int64_t N, float* out) {
+                      const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   const int64_t G = K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MB];
@@ -69,32 +70,36 @@ static void tile_rows(const uint8_t* w, const uint16_t* s, const uint16_t* z, co
       acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(dsum[i * G + g]), acc[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * N, acc[i]);
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * N, bias ? _mm512_add_ps(acc[i], b) : acc[i]);
 }
 
-// x [M, K] float32; w [N/16, K/32, 256] uint8; s, z [N/16, K/32, 16] float16 -> [M, N] float32.
-// Threads split the tiles; rows go 8 at a time so that a tile's unpacked codes stay in registers for all 8.
-torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor z) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [M, K] contiguous float32");
-  const int64_t M = x.size(0), K = x.size(1), T = w.size(0), G = K / 32, N = T * 16;
-  TORCH_CHECK(K % 32 == 0 && w.dim() == 3 && w.size(1) == G && w.size(2) == 256 &&
-              w.scalar_type() == torch::kByte && w.is_contiguous(), "w: [N/16, K/32, 256] contiguous uint8");
-  for (const auto& t : {s, z}) {
-    TORCH_CHECK(t.dim() == 3 && t.size(0) == T && t.size(1) == G && t.size(2) == 16 &&
+W4A8Weight make_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                       c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 256 && codes.scalar_type() == torch::kByte &&
+              codes.is_contiguous(), "codes: [N/16, K/32, 256] contiguous uint8");
+  for (const auto& t : {scales, offsets}) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == codes.size(0) && t.size(1) == codes.size(1) && t.size(2) == 16 &&
                 t.scalar_type() == torch::kHalf && t.is_contiguous(), "scales: [N/16, K/32, 16] contiguous float16");
   }
-  auto q = torch::empty({M, K}, torch::kInt8);
-  auto d = torch::empty({M, G}, torch::kFloat);
-  auto dsum = torch::empty({M, G}, torch::kFloat);
-  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), dsum.data_ptr<float>());
-  auto out = torch::empty({M, N}, torch::kFloat);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t* sp = (const uint16_t*)s.data_ptr<at::Half>();
-  const uint16_t* zp = (const uint16_t*)z.data_ptr<at::Half>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* dsp = dsum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  W4A8Weight weight{codes, scales, offsets, torch::Tensor()};
+  if (bias.has_value()) {
+    weight.bias = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(weight.bias.numel() == weight.out_features(), "bias: [N]");
+  }
+  return weight;
+}
+
+// Threads split the tiles; rows go 8 at a time so that a tile's unpacked codes stay in registers for all 8.
+void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) {
+  const int64_t K = weight.in_features(), N = weight.out_features(), T = N / 16, G = K / 32;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * G), dsum(M * G);
+  quantize_rows(x, M, K, q.data(), d.data(), dsum.data());
+  const uint8_t* wp = weight.codes.data_ptr<uint8_t>();
+  const uint16_t* sp = (const uint16_t*)weight.scales.data_ptr<at::Half>();
+  const uint16_t* zp = (const uint16_t*)weight.offsets.data_ptr<at::Half>();
+  const float* bias = weight.bias.defined() ? weight.bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -102,24 +107,32 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::
         const uint8_t* wt = wp + t * G * 256;
         const uint16_t* st = sp + t * G * 16;
         const uint16_t* zt = zp + t * G * 16;
-        const int8_t* qm = qp + m0 * K;
-        const float* dm = dp + m0 * G;
-        const float* dsm = dsp + m0 * G;
-        float* om = op + m0 * N + t * 16;
+        const int8_t* qm = q.data() + m0 * K;
+        const float* dm = d.data() + m0 * G;
+        const float* dsm = dsum.data() + m0 * G;
+        const float* bt = bias ? bias + t * 16 : nullptr;
+        float* om = out + m0 * N + t * 16;
         switch (rows) {
-          case 1: tile_rows<1>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 2: tile_rows<2>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 3: tile_rows<3>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 4: tile_rows<4>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 5: tile_rows<5>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 6: tile_rows<6>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          case 7: tile_rows<7>(wt, st, zt, qm, dm, dsm, K, N, om); break;
-          default: tile_rows<8>(wt, st, zt, qm, dm, dsm, K, N, om); break;
+          case 1: tile_rows<1>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 2: tile_rows<2>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 3: tile_rows<3>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 4: tile_rows<4>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 5: tile_rows<5>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 6: tile_rows<6>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 7: tile_rows<7>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          default: tile_rows<8>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
         }
       }
     }
   });
-  return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("w4a8_mm", &w4a8_mm); }
+// x [M, K] float32 -> [M, N] float32, for the layers outside a fused decoder layer (the output head).
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets) {
+  const W4A8Weight weight = make_weight(codes, scales, offsets, c10::nullopt);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.in_features() && x.scalar_type() == torch::kFloat &&
+              x.is_contiguous(), "x: [M, K] contiguous float32");
+  auto out = torch::empty({x.size(0), weight.out_features()}, torch::kFloat);
+  w4a8_rows(x.data_ptr<float>(), x.size(0), weight, out.data_ptr<float>());
+  return out;
+}

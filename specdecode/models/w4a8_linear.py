@@ -11,7 +11,7 @@ This is a different model from `--quant int4`: activations are rounded too. It i
 batch of rows, though: each row is quantized on its own and summed in the same order whatever the number of
 rows, so a token's output does not depend on how many tokens share the forward (tested bit for bit).
 
-The kernel (w4a8_kernel.cpp) is compiled at first use by torch.utils.cpp_extension (g++ and ninja) into
+The kernel (w4a8_kernel.cpp, with the fused decoder layer of w4a8_layer.cpp) is compiled at first use by torch.utils.cpp_extension (g++ and ninja) into
 torch's extensions folder, about 35 s once per machine.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -55,8 +54,9 @@ def load_kernel(quiet: bool = True):
     if not quiet:
         print("compiling the w4a8 kernel (once per machine, about 35 s)", file=sys.stderr, flush=True)
     try:
-        _kernel = load(name="specdecode_w4a8", sources=[str(Path(__file__).with_name("w4a8_kernel.cpp"))],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        sources = [str(Path(__file__).with_name(name)) for name in ("w4a8_kernel.cpp", "w4a8_layer.cpp")]
+        _kernel = load(name="specdecode_w4a8", sources=sources, extra_ldflags=["-fopenmp"], verbose=False,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
     except (RuntimeError, OSError, ImportError) as error:
         raise SpecDecodeError(f"could not compile the w4a8 kernel (it needs g++ and ninja): "
                               f"{str(error).splitlines()[0]}; use --quant int4") from None
@@ -89,8 +89,6 @@ def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor)
 
 class W4A8Linear(nn.Module):
     """w = code * scale + offset per group of 32 inputs, codes in [0, 15]; activations int8 per group of 32."""
-
-    batch_invariant: ClassVar[bool] = True  # read by Transformer.finish_loading
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None):
         """codes [N/16, K/32, 256] uint8; scales, offsets [N/16, K/32, 16] float16 (w4a8_kernel.cpp's layout)."""

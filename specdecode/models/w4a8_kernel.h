@@ -1,0 +1,19 @@
+// What w4a8_layer.cpp needs from w4a8_kernel.cpp: one w4a8 linear layer's tensors and its matmul on raw rows.
+#pragma once
+#include <torch/extension.h>
+
+// codes [N/16, K/32, 256] uint8; scales, offsets [N/16, K/32, 16] float16 (layout in w4a8_kernel.cpp);
+// bias [N] float32 or undefined.
+struct W4A8Weight {
+  torch::Tensor codes, scales, offsets, bias;
+  int64_t out_features() const { return codes.size(0) * 16; }
+  int64_t in_features() const { return codes.size(1) * 32; }
+};
+
+W4A8Weight make_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                       c10::optional<torch::Tensor> bias);
+
+// out [M, N] = x [M, K] (float32, contiguous rows) times the weight, plus the bias; threads split the tiles.
+void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out);
+
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
