@@ -16,14 +16,41 @@ from specdecode.models.w4a8_linear import W4A8Linear
 
 
 def layer_and_weight(out_features: int, in_features: int, seed: int = 0) -> tuple[W4A8Linear, torch.Tensor]:
-    """A w4a8 layer and the weight [N, K] it computes with (codes times its float16 scales and offsets)."""
+    """A w4a8 layer of a random weight, and the weight [N, K] it computes with."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
-    codes, scales, zeros = minmax_groups(weight, 32)  # [N, K], [N, K/32] x 2
-    layer = W4A8Linear.from_groups([(codes, scales, zeros)], None)
-    scales16 = scales.half().float()
-    offsets16 = (zeros - 8 * scales).half().float()
-    groups = codes.float().reshape(out_features, -1, 32) * scales16[..., None] + offsets16[..., None]
-    return layer, groups.reshape(out_features, in_features)
+    layer = W4A8Linear.from_groups([minmax_groups(weight, 32)], None)
+    return layer, unpacked_weight(layer)
+
+
+def unpacked_weight(layer: W4A8Linear) -> torch.Tensor:
+    """[N, K] float32 from the kernel's layout (w4a8_kernel.cpp), undone step by step."""
+    tiles, groups, _ = layer.codes.shape
+    nibbles = layer.codes.view(tiles, groups, 4, 16, 4)  # [T, G, run, row, 4 inputs]
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=2)  # [T, G, 8, 16, 4]: inputs 0-15, then 16-31
+    codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, 32).float()  # [N, G, 32]
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:  # [T, X, 16] -> [N, X]
+        return values.permute(0, 2, 1).reshape(tiles * 16, -1).float()
+
+    units = per_row(layer.block_scales[..., :16]), per_row(layer.block_scales[..., 16:])  # [N, B] each
+    scale_unit, offset_unit = (u.repeat_interleave(8, dim=1)[:, :groups] for u in units)  # [N, G] each
+    scales = per_row(layer.group_scales[..., :16]) * scale_unit  # [N, G]
+    offsets = per_row(layer.group_scales[..., 16:].contiguous().view(torch.int8)) * offset_unit  # [N, G]
+    return (codes * scales[..., None] + offsets[..., None]).reshape(tiles * 16, groups * 32)
+
+
+def test_packing_keeps_the_weight_within_half_a_step_and_flips_negative_scales():
+    weight = torch.randn(32, 320, generator=torch.Generator().manual_seed(7)) * 0.05  # [N, K]: 10 groups, 2 blocks
+    codes, scales, zeros = minmax_groups(weight, 32)
+    negative = torch.zeros_like(scales, dtype=torch.bool)  # [N, G]
+    negative[::3] = True
+    # The same weights with negative scales: (q - 8) s + z = (q' - 8)(-s) + (z - s) with q' = 15 - q.
+    flipped_codes = torch.where(negative.repeat_interleave(32, dim=1), 15 - codes, codes)
+    flipped = (flipped_codes, torch.where(negative, -scales, scales), torch.where(negative, zeros - scales, zeros))
+    for layer in (W4A8Linear.from_groups([(codes, scales, zeros)], None), W4A8Linear.from_groups([flipped], None)):
+        step = scales.repeat_interleave(32, dim=1)  # [N, K]
+        # Half a 4-bit step, plus 8-bit scale and offset codes: a few percent of a step more.
+        assert ((unpacked_weight(layer) - weight).abs() <= 0.6 * step).all()
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +86,7 @@ def test_blocks_of_any_row_count_pack_like_the_whole():
     whole = W4A8Linear.from_groups([minmax_groups(weight, 32)], None)
     blocks = zip(*(part.split([24, 40, 16]) for part in minmax_groups(weight, 32)))
     pieces = W4A8Linear.from_groups(blocks, None)
-    for name in ("codes", "scales", "offsets"):
+    for name in ("codes", "group_scales", "block_scales"):
         assert torch.equal(getattr(pieces, name), getattr(whole, name))
 
 
@@ -92,7 +119,8 @@ def test_w4a8_from_gguf_keeps_q4_k_codes_and_reloads_from_the_cache(tmp_path, ca
     with torch.inference_mode():
         reference = int4.layers[0].mlp.gate_up(quantized_activations(x))  # same weights, same rounded inputs
         error = (gate_up(x) - reference).abs().max()
-        assert error < 1e-3 * reference.abs().max()  # float16 scales and offsets against float32 ones
+        # The file's 6-bit scales and mins, re-rounded to 8-bit codes per group and a bfloat16 unit per 256 inputs.
+        assert error < 5e-3 * reference.abs().max()
 
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt although the w4a8 model is cached")

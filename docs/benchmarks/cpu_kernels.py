@@ -20,8 +20,8 @@ import torch
 
 from specdecode.models.w4a8_linear import load_kernel
 
-# int4: codes + bf16 scale and zero per 32; w4a8: codes + float16 scale and offset per 32
-BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0, "w4a8": 0.625}
+# int4: codes + bf16 scale and zero per 32; w4a8: codes + 8-bit scale and offset per 32 + bf16 units per 256
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0, "w4a8": 4.625 / 8}
 
 
 def per_call_ms(calls: list, rounds: int = 3) -> float:
@@ -46,8 +46,10 @@ def main() -> None:
         torch.randint(0, 16, (out_features, in_features), dtype=torch.int32), 1) for _ in range(copies)]
     int4_scales = torch.rand(in_features // 32, out_features, 2).bfloat16()  # [K/32, N, 2]
     tiles, groups = out_features // 16, in_features // 32
-    w4a8 = [torch.randint(0, 256, (tiles, groups, 256), dtype=torch.uint8) for _ in range(copies)]
-    w4a8_scales = (torch.rand(tiles, groups, 16) * 0.01).half()  # [N/16, K/32, 16]
+    w4a8 = [(torch.randint(0, 256, (tiles, groups, 256), dtype=torch.uint8),  # codes
+             torch.randint(0, 256, (tiles, groups, 32), dtype=torch.uint8),  # scale and offset codes
+             (torch.rand(tiles, -(-groups // 8), 32) * 1e-4).bfloat16())  # units per 256 inputs
+            for _ in range(copies)]
     kernel = load_kernel(quiet=False)
     print(f"weight {out_features}x{in_features}, {copies} copies in rotation, {torch.get_num_threads()} threads")
     print("| M | " + " | ".join(f"{name} ms" for name in BYTES_PER_WEIGHT) + " |")
@@ -62,7 +64,7 @@ def main() -> None:
             "int4": per_call_ms([lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, int4_scales)
                                  for w in int4]),
             "int8 x int8": per_call_ms([lambda w=w: torch._int_mm(x_int8, w.t()) for w in int8]),
-            "w4a8": per_call_ms([lambda w=w: kernel.w4a8_mm(x.float(), w, w4a8_scales, w4a8_scales) for w in w4a8]),
+            "w4a8": per_call_ms([lambda w=w: kernel.w4a8_mm(x.float(), *w) for w in w4a8]),
         }
         cells = []
         for name, ms in costs.items():

@@ -39,7 +39,7 @@ from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_so
     stacked_as
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
-_FORMAT = "specdecode-quantized-2"
+_FORMAT = "specdecode-quantized-3"
 WEIGHTS_FILE = "quantized.safetensors"
 
 
@@ -131,8 +131,9 @@ def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Trans
             continue
         # Shells of the right kind and shape; load_state_dict below then checks every key.
         bias = state.get(f"{name}.bias")
-        if f"{name}.offsets" in state:
-            layer = W4A8Linear(state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.offsets"], bias)
+        if f"{name}.block_scales" in state:
+            layer = W4A8Linear(state[f"{name}.codes"], state[f"{name}.group_scales"], state[f"{name}.block_scales"],
+                               bias)
         elif f"{name}.packed" in state:
             scales_and_zeros = state[f"{name}.scales_and_zeros"]  # [K/G, N, 2]
             group_size = module.in_features // scales_and_zeros.shape[0]

@@ -34,7 +34,7 @@ def fused_layers(layers: nn.ModuleList, config, dtype: torch.dtype) -> list | No
     kernel = load_kernel()
 
     def weight(linear: W4A8Linear):
-        return kernel.weight(linear.codes, linear.scales, linear.offsets, linear.bias)
+        return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)
 
     def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()

@@ -1,10 +1,13 @@
 // int4 weights x int8 activations for small batches of rows on AVX-512 VNNI (see w4a8_linear.py for the why).
 //
-// Weight layout, per tile of 16 output rows and group of 32 inputs (g):
-//   codes   [N/16, K/32, 256] uint8: four runs of 64 bytes; byte 4n+b of run p holds the 4-bit code of
-//           (row n, input 4p+b) in its low nibble and of (row n, input 16+4p+b) in its high nibble, so one
-//           64-byte load and a mask give 16 rows x 4 inputs, the operand shape of vpdpbusd;
-//   scales, offsets [N/16, K/32, 16] float16: w = code * scale + offset.
+// Weight layout, per tile of 16 output rows and group of 32 inputs (g), and block of 8 groups (256 inputs):
+//   codes         [N/16, K/32, 256] uint8: four runs of 64 bytes; byte 4n+b of run p holds the 4-bit code of
+//                 (row n, input 4p+b) in its low nibble and of (row n, input 16+4p+b) in its high nibble, so
+//                 one 64-byte load and a mask give 16 rows x 4 inputs, the operand shape of vpdpbusd;
+//   group_scales  [N/16, K/32, 32] uint8: the 16 rows' scale codes (uint8), then their offset codes (int8);
+//   block_scales  [N/16, ceil(K/256), 32] bfloat16: the 16 rows' scale multipliers, then offset multipliers.
+// w = code * (scale code * scale multiplier) + offset code * offset multiplier: 4.625 bits per weight, as
+// llama.cpp's Q4_K spends 4.5 (its scales have 6 bits), where float16 scales and offsets per group cost 5.
 // Activations are quantized per row and group of 32 to int8 with scale d; a group's contribution to an
 // output is then d * (scale * sum(code * a) + offset * sum(a)), with the integer sum exact.
 // Each row is quantized on its own and reduced in the same order whatever M is, so results are batch-invariant.
@@ -38,16 +41,26 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
   }
 }
 
+// 16 bfloat16 values as float32.
+static inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // MB rows (at most 8) against one tile of 16 output rows: 2*MB accumulators plus 8 code registers fit the
 // 32 vector registers.
 template <int MB>
-static void tile_rows(const uint8_t* w, const uint16_t* s, const uint16_t* z, const int8_t* q, const float* d,
+static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q, const float* d,
                       const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   const int64_t G = K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 scale_unit = _mm512_setzero_ps(), offset_unit = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    if (g % 8 == 0) {
+      scale_unit = bf16x16(bs + g / 8 * 32);
+      offset_unit = bf16x16(bs + g / 8 * 32 + 16);
+    }
     const uint8_t* block = w + g * 256;
     __m512i codes[8];
     for (int p = 0; p < 4; ++p) {
@@ -55,8 +68,10 @@ static void tile_rows(const uint8_t* w, const uint16_t* s, const uint16_t* z, co
       codes[p] = _mm512_and_si512(v, low4);
       codes[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + g * 16)));
-    const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(z + g * 16)));
+    const __m128i scale_codes = _mm_loadu_si128((const __m128i*)(gs + g * 32));
+    const __m128i offset_codes = _mm_loadu_si128((const __m128i*)(gs + g * 32 + 16));
+    const __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_codes)), scale_unit);
+    const __m512 zv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(offset_codes)), offset_unit);
     for (int i = 0; i < MB; ++i) {
       const int32_t* a = (const int32_t*)(q + i * K + g * 32);
       // Two accumulators halve the chain of dependent vpdpbusd (latency-bound at one row otherwise).
@@ -74,15 +89,18 @@ static void tile_rows(const uint8_t* w, const uint16_t* s, const uint16_t* z, co
   for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * N, bias ? _mm512_add_ps(acc[i], b) : acc[i]);
 }
 
-W4A8Weight make_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,
                        c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 256 && codes.scalar_type() == torch::kByte &&
               codes.is_contiguous(), "codes: [N/16, K/32, 256] contiguous uint8");
-  for (const auto& t : {scales, offsets}) {
-    TORCH_CHECK(t.dim() == 3 && t.size(0) == codes.size(0) && t.size(1) == codes.size(1) && t.size(2) == 16 &&
-                t.scalar_type() == torch::kHalf && t.is_contiguous(), "scales: [N/16, K/32, 16] contiguous float16");
-  }
-  W4A8Weight weight{codes, scales, offsets, torch::Tensor()};
+  const int64_t T = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(group_scales.dim() == 3 && group_scales.size(0) == T && group_scales.size(1) == G &&
+              group_scales.size(2) == 32 && group_scales.scalar_type() == torch::kByte &&
+              group_scales.is_contiguous(), "group_scales: [N/16, K/32, 32] contiguous uint8");
+  TORCH_CHECK(block_scales.dim() == 3 && block_scales.size(0) == T && block_scales.size(1) == (G + 7) / 8 &&
+              block_scales.size(2) == 32 && block_scales.scalar_type() == torch::kBFloat16 &&
+              block_scales.is_contiguous(), "block_scales: [N/16, ceil(K/256), 32] contiguous bfloat16");
+  W4A8Weight weight{codes, group_scales, block_scales, torch::Tensor()};
   if (bias.has_value()) {
     weight.bias = bias->to(torch::kFloat).contiguous();
     TORCH_CHECK(weight.bias.numel() == weight.out_features(), "bias: [N]");
@@ -97,30 +115,30 @@ void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) 
   std::vector<float> d(M * G), dsum(M * G);
   quantize_rows(x, M, K, q.data(), d.data(), dsum.data());
   const uint8_t* wp = weight.codes.data_ptr<uint8_t>();
-  const uint16_t* sp = (const uint16_t*)weight.scales.data_ptr<at::Half>();
-  const uint16_t* zp = (const uint16_t*)weight.offsets.data_ptr<at::Half>();
+  const uint8_t* gp = weight.group_scales.data_ptr<uint8_t>();
+  const uint16_t* bp = (const uint16_t*)weight.block_scales.data_ptr<at::BFloat16>();
   const float* bias = weight.bias.defined() ? weight.bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int rows = (int)std::min<int64_t>(8, M - m0);
         const uint8_t* wt = wp + t * G * 256;
-        const uint16_t* st = sp + t * G * 16;
-        const uint16_t* zt = zp + t * G * 16;
+        const uint8_t* gt = gp + t * G * 32;
+        const uint16_t* bt16 = bp + t * ((G + 7) / 8) * 32;
         const int8_t* qm = q.data() + m0 * K;
         const float* dm = d.data() + m0 * G;
         const float* dsm = dsum.data() + m0 * G;
         const float* bt = bias ? bias + t * 16 : nullptr;
         float* om = out + m0 * N + t * 16;
         switch (rows) {
-          case 1: tile_rows<1>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 2: tile_rows<2>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 3: tile_rows<3>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 4: tile_rows<4>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 5: tile_rows<5>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 6: tile_rows<6>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          case 7: tile_rows<7>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
-          default: tile_rows<8>(wt, st, zt, qm, dm, dsm, K, N, bt, om); break;
+          case 1: tile_rows<1>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 2: tile_rows<2>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 3: tile_rows<3>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 4: tile_rows<4>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 5: tile_rows<5>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 6: tile_rows<6>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          case 7: tile_rows<7>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
+          default: tile_rows<8>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
         }
       }
     }
@@ -128,8 +146,8 @@ void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) 
 }
 
 // x [M, K] float32 -> [M, N] float32, for the layers outside a fused decoder layer (the output head).
-torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets) {
-  const W4A8Weight weight = make_weight(codes, scales, offsets, c10::nullopt);
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales) {
+  const W4A8Weight weight = make_weight(codes, group_scales, block_scales, c10::nullopt);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.in_features() && x.scalar_type() == torch::kFloat &&
               x.is_contiguous(), "x: [M, K] contiguous float32");
   auto out = torch::empty({x.size(0), weight.out_features()}, torch::kFloat);

@@ -2,18 +2,18 @@
 #pragma once
 #include <torch/extension.h>
 
-// codes [N/16, K/32, 256] uint8; scales, offsets [N/16, K/32, 16] float16 (layout in w4a8_kernel.cpp);
-// bias [N] float32 or undefined.
+// codes [N/16, K/32, 256] uint8, group_scales [N/16, K/32, 32] uint8, block_scales [N/16, ceil(K/256), 32]
+// bfloat16 (layout in w4a8_kernel.cpp); bias [N] float32 or undefined.
 struct W4A8Weight {
-  torch::Tensor codes, scales, offsets, bias;
+  torch::Tensor codes, group_scales, block_scales, bias;
   int64_t out_features() const { return codes.size(0) * 16; }
   int64_t in_features() const { return codes.size(1) * 32; }
 };
 
-W4A8Weight make_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,
                        c10::optional<torch::Tensor> bias);
 
 // out [M, N] = x [M, K] (float32, contiguous rows) times the weight, plus the bias; threads split the tiles.
 void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out);
 
-torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales);

@@ -260,7 +260,8 @@ class W4A8DecoderLayer {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<W4A8Weight>(m, "Weight");
-  m.def("weight", &make_weight, py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bias") = py::none());
+  m.def("weight", &make_weight, py::arg("codes"), py::arg("group_scales"), py::arg("block_scales"),
+        py::arg("bias") = py::none());
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8DecoderLayer>(m, "DecoderLayer")
       .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
