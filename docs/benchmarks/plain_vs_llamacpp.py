@@ -1,0 +1,115 @@
+"""Our default target against llama.cpp's own server on the same GGUF file: plain decoding and the best of each.
+
+Run from the repository root (about 5 minutes on 2 cores):
+
+    python docs/benchmarks/plain_vs_llamacpp.py --llama-server PATH [--prompts 8] [--max-tokens 128] [--quant w4a8]
+
+PATH is a llama-server binary. llama-cpp-python ships llama.cpp's sources without the binary; to build the one
+it bundles (commit 0c1e57098), from its unpacked sdist (`pip download llama-cpp-python==0.3.36 --no-binary
+:all: --no-deps`):
+
+    cmake -S vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+    cmake --build build --target llama-server llama-bench -j 2
+
+Two llama-servers run for the whole benchmark, plain and with n-gram speculation (`--spec-type ngram-simple`),
+both with 2 threads on the default Q4_K_M file. Every prompt is run by each llama.cpp setup and each of our
+methods in turn, so that drift in the machine's speed hits all alike, with the same prompt token ids, greedy,
+--max-tokens tokens, end-of-sequence ignored. Speed is generation-phase tokens/s: tokens after the first over
+the time after prefill (llama.cpp's own `timings.predicted_per_second`, so HTTP costs it nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+from cpu_decode import PROMPTS
+
+from specdecode import Engine, SamplingParams, SpecConfig, load_model
+from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, assemble
+
+LLAMA_SETUPS = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
+OUR_METHODS = ("none", "ngram", "draft", "ngram,draft")
+
+
+def start_server(binary: Path, gguf: Path, port: int, extra: list[str]) -> subprocess.Popen:
+    command = [str(binary), "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1",
+               "--port", str(port), *extra]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return server
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    raise SystemExit(f"llama-server on port {port} did not start: {' '.join(command)}")
+
+
+def llama_cpp_run(port: int, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    """Greedy tokens, generation-phase seconds and tokens counted in them, from the server's own timings."""
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(request))
+    timings = reply["timings"]
+    return reply["tokens"], timings["predicted_ms"] / 1000, timings["predicted_n"] - 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", type=Path, required=True, help="a llama-server binary")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quant", default="w4a8", help="our target's and draft's --quant")
+    args = parser.parse_args()
+    gguf = assemble(DEFAULT_MODELS[DEFAULT_TARGET], quiet=True)
+    engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant=args.quant),
+                    load_model(DEFAULT_DRAFT, quiet=True, quant=args.quant))
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    texts = [json.loads(line)["turns"][0] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
+    prompt_ids = [engine.encode(text) for text in texts]
+    seconds = {name: 0.0 for name in [*LLAMA_SETUPS, *OUR_METHODS]}
+    tokens = dict.fromkeys(seconds, 0)
+    same = dict.fromkeys(seconds, 0)
+    with ExitStack() as servers:
+        ports = {}
+        for port, (name, extra) in enumerate(LLAMA_SETUPS.items(), start=8091):
+            servers.callback(start_server(args.llama_server, gguf, port, extra).kill)
+            ports[name] = port
+        for name, port in ports.items():  # warm-up
+            llama_cpp_run(port, prompt_ids[0], 8)
+        engine.complete(prompt_ids[0], SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
+        for ids in prompt_ids:
+            reference = None
+            for name, port in ports.items():
+                output, elapsed, counted = llama_cpp_run(port, ids, args.max_tokens)
+                reference = reference or output
+                seconds[name], tokens[name] = seconds[name] + elapsed, tokens[name] + counted
+                same[name] += output == reference
+            plain = None
+            for method in OUR_METHODS:
+                result = engine.complete(ids, sampling, SpecConfig(method))
+                plain = plain or result.token_ids
+                seconds[method] += result.stats.total_seconds - result.stats.prefill_seconds
+                tokens[method] += result.stats.new_tokens - 1  # the first token comes from prefill
+                same[method] += result.token_ids == plain
+    speed = {name: tokens[name] / seconds[name] for name in seconds}
+    base = speed["llama.cpp plain"]
+    print(f"{len(prompt_ids)} HumanEval prompts x {args.max_tokens} tokens, greedy, generation phase, 2 threads; "
+          f"ours: --quant {args.quant} target and draft")
+    print("| decoder | tok/s | x llama.cpp plain | identical to its own plain |")
+    print("|---|---|---|---|")
+    for name in seconds:
+        label = name if name in LLAMA_SETUPS else f"ours `{name}`"
+        print(f"| {label} | {speed[name]:.2f} | {speed[name] / base:.2f} | {same[name]}/{len(prompt_ids)} |")
+
+
+if __name__ == "__main__":
+    main()
