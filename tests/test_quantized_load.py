@@ -11,7 +11,7 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import quantized_model, weight_source
+from specdecode.models import loader, quantized_model, weight_source
 from specdecode.models.loader import load_model
 from specdecode.models.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 
@@ -102,7 +102,9 @@ def test_quantized_model_is_cached_and_reloads_identically(mixed_gguf, cache, mo
         raise AssertionError("rebuilt although the quantized model is cached")
 
     monkeypatch.setattr(quantized_model, "build_quantized", fail)
+    monkeypatch.setattr(loader, "GGUFWeights", fail)  # nor is the file parsed: the config comes from the cache
     second = load_model(mixed_gguf, dtype="bfloat16", quant="int4")
+    assert second.model.config == first.model.config
     tokens = torch.arange(12).unsqueeze(0)  # [1, 12]
     positions = torch.arange(12).unsqueeze(0)
     with torch.inference_mode():

@@ -113,14 +113,18 @@ def _float_folder(source: Path, dtype: torch.dtype, quiet: bool) -> Path:
 def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_size: int,
                           quiet: bool) -> tuple[Transformer, Path]:
     """-> the quantized model and the folder holding its config and tokenizer."""
+    files = [source] if source.is_file() else safetensors_files(source)
+    cache = quantized_cache_folder(files, dtype, quant, group_size)
+    if source.is_file() and (cache / "config.json").is_file():
+        # Cached (the folder is written whole): the GGUF file is not opened, which would parse its whole
+        # vocabulary (half a GiB of metadata for Qwen2.5's 151k tokens).
+        return load_quantized(None, read_config(cache), source, cache, dtype, quant, group_size, quiet), cache
     if source.is_file():
         weights = GGUFWeights(source)
-        config, files = weights.config, [source]
+        config = weights.config
     else:
         config = read_config(source)
-        files = safetensors_files(source)
         weights = FolderWeights(files)
-    cache = quantized_cache_folder(files, dtype, quant, group_size)
 
     def write_gguf_tokenizer(folder: Path) -> None:  # the file's own vocabulary, merges and chat template
         (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=1))

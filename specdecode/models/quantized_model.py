@@ -12,11 +12,14 @@ Which format each linear layer gets:
   because on CPU the int8 kernel streams weights at about 2/3 the speed of the int4 one and costs 2-4x more
   for 4-8 rows (measured in docs/benchmarks/README.md), which made the 1.5B target 26% slower per token.
   A layer the int4 kernel cannot tile (outputs not a multiple of 16, inputs not of the group size) is int8.
-- w4a8: the int4 weights above (groups of 32) for w4a8_linear.py's kernel, which also rounds activations.
+- w4a8: the int4 weights above (groups of 32) for w4a8_linear.py's kernel, which also rounds activations;
+  scales and offsets are re-rounded to 8-bit codes (the file's Q4_K codes stay exact).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,9 @@ from specdecode.models.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
 from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
     stacked_as
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_MMAP_FROM_BYTES = 4 << 20
+
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-3"
 WEIGHTS_FILE = "quantized.safetensors"
@@ -52,11 +58,11 @@ def quantized_cache_folder(source_files: list[Path], dtype: torch.dtype, quant: 
     return cache_dir() / "quantized" / f"{source_files[0].stem}-{key}-{str(dtype)[6:]}-{mode}"
 
 
-def load_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, where: Path, cache: Path,
+def load_quantized(source: FolderWeights | GGUFWeights | None, config: ModelConfig, where: Path, cache: Path,
                    dtype: torch.dtype, quant: str, group_size: int, quiet: bool,
                    write_extra: Callable[[Path], None] | None = None) -> Transformer:
-    """From the cache when it holds this model, else built from `source` and then saved there together with
-    whatever `write_extra(folder)` adds (a GGUF file's tokenizer)."""
+    """From the cache when it holds this model (`source` may then be None), else built from `source` and then
+    saved there together with whatever `write_extra(folder)` adds (a GGUF file's tokenizer)."""
     if quant == "w4a8":
         load_kernel(quiet)  # compiled now, with a message, rather than silently at the first forward
     if (cache / WEIGHTS_FILE).is_file():
@@ -70,6 +76,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
                     quant: str, group_size: int, quiet: bool = False) -> Transformer:
     sources = parameter_sources(config)
     check_sources(sources, source.names(), where, config)
+    _free_large_blocks_promptly()
     with torch.device("meta"):
         model = Transformer(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
@@ -84,6 +91,17 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     rope_factors = source.get("rope_freqs") if "rope_freqs" in source.names() else None
     model.finish_loading(rope_factors)
     return model.eval()
+
+
+def _free_large_blocks_promptly() -> None:
+    """glibc raises its mmap threshold (up to 32 MB) each time a mapped block is freed, after which blocks of
+    rows of that size come from the heap, which keeps them once freed: 1.2 GiB more anonymous memory at the
+    peak of the 1.5B's build. A fixed threshold keeps every block of 4 MB or more mapped, so freeing it returns
+    it to the system. Other C libraries lack mallopt and keep their own behaviour."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES)
 
 
 def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias: torch.Tensor | None, quant: str,
