@@ -92,3 +92,22 @@ def test_user_errors_are_one_line_and_exit_2(models, capsys, extra, message):
 def test_models_lists_defaults(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "qwen2.5-coder-0.5b-instruct" in out
+
+
+def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
+    import argparse
+
+    from specdecode.cli import draft_quant
+    from specdecode.models import w4a8_linear
+
+    def flags(**overrides):
+        return argparse.Namespace(**{"draft_quant": "auto", "device": "cpu", "group_size": 32, **overrides})
+
+    assert draft_quant(flags()) == ("w4a8" if w4a8_linear.w4a8_unavailable() is None else "int4")
+    assert draft_quant(flags(group_size=64)) == "int4"
+    assert draft_quant(flags(device="cuda")) == "none"
+    assert draft_quant(flags(draft_quant="int8")) == "int8"
+    monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process on a CPU without VNNI
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx2", "f16c"})
+    assert draft_quant(flags(), quiet=False) == "int4"
+    assert "draft in int4, not w4a8: it needs a CPU with" in capsys.readouterr().err

@@ -149,5 +149,5 @@ def test_clear_errors_for_group_size_and_cpus_without_vnni(tmp_path, monkeypatch
         load_model(folder, dtype="float32", quant="w4a8", group_size=64)
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
     monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx2", "f16c"})
-    with pytest.raises(SpecDecodeError, match="lacks avx512f, avx512bw, avx512_vnni: use --quant int4"):
+    with pytest.raises(SpecDecodeError, match="lacks avx512f, avx512bw, avx512_vnni; use --quant int4"):
         load_model(folder, dtype="float32", quant="w4a8")

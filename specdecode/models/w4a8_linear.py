@@ -47,26 +47,33 @@ _kernel = None  # the compiled extension, once loaded: every forward needs it, s
 
 def load_kernel(quiet: bool = True):
     """The compiled extension, built on first use; one clear error where this CPU or machine cannot."""
+    reason = w4a8_unavailable(quiet)
+    if reason is not None:
+        raise SpecDecodeError(f"--quant w4a8: {reason}; use --quant int4")
+    return _kernel
+
+
+def w4a8_unavailable(quiet: bool = True) -> str | None:
+    """Why w4a8 cannot run here (the CPU or the compiler), or None once the kernel is loaded (compiled if
+    needed)."""
     global _kernel
     if _kernel is not None:
-        return _kernel
+        return None
     flags = _cpu_flags()
     missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in flags]
     if missing:
-        raise SpecDecodeError(f"--quant w4a8 needs a CPU with {', '.join(_NEEDED_CPU_FLAGS)}; this one lacks "
-                              f"{', '.join(missing)}: use --quant int4")
+        return f"it needs a CPU with {', '.join(_NEEDED_CPU_FLAGS)}; this one lacks {', '.join(missing)}"
     from torch.utils.cpp_extension import load
 
     if not quiet:
-        print("compiling the w4a8 kernel (once per machine, about 35 s)", file=sys.stderr, flush=True)
+        print("loading the w4a8 kernel (compiled once per machine, about 35 s)", file=sys.stderr, flush=True)
     try:
         sources = [str(Path(__file__).with_name(name)) for name in ("w4a8_kernel.cpp", "w4a8_layer.cpp")]
         _kernel = load(name="specdecode_w4a8", sources=sources, extra_ldflags=["-fopenmp"], verbose=False,
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
     except (RuntimeError, OSError, ImportError) as error:
-        raise SpecDecodeError(f"could not compile the w4a8 kernel (it needs g++ and ninja): "
-                              f"{str(error).splitlines()[0]}; use --quant int4") from None
-    return _kernel
+        return f"could not compile its kernel (it needs g++ and ninja): {str(error).splitlines()[0]}"
+    return None
 
 
 def _cpu_flags() -> set[str]:
