@@ -27,14 +27,14 @@ def forward(model, tokens: torch.Tensor, cache, start: int, **kwargs):
         return model(tokens, positions, cache, **kwargs)
 
 
-def pytorch_forward(model, tokens: torch.Tensor):
+def pytorch_forward(model, tokens: torch.Tensor, cache=None):
     """The same model run by the PyTorch layers (its own cos/sin table in the model's dtype)."""
     fused, rope = model.fused_layers, model.rope
     model.fused_layers = None
     model.rope = RopeTable(inverse_frequencies(model.config, model.rope_factors),
                            model.config.max_position_embeddings, model.dtype, model.device)
     try:
-        return forward(model, tokens, model.new_cache(tokens.shape[1]), 0, hidden_layers=(1, 2))
+        return forward(model, tokens, cache or model.new_cache(tokens.shape[1]), 0, hidden_layers=(1, 2))
     finally:
         model.fused_layers, model.rope = fused, rope
 
@@ -56,6 +56,18 @@ def test_fused_layers_compute_what_the_pytorch_layers_compute(tmp_path, arch):
         scale = theirs.abs().max()
         by_row = (ours - theirs).abs().amax(-1)  # [1, T]
         assert by_row.max() < 0.05 * scale and by_row.median() < 1e-4 * scale
+
+def test_bfloat16_cache_holds_what_the_pytorch_layers_write(tmp_path):
+    model = w4a8_model(tmp_path, "qwen2", "bfloat16")
+    tokens = tokens_of(20, seed=8)
+    fused, reference = model.new_cache(20), model.new_cache(20)
+    forward(model, tokens, fused, 0)
+    pytorch_forward(model, tokens, reference)
+    # The PyTorch layers round to bfloat16 after every op, the fused ones once at the cache write.
+    for ours, theirs in ((fused.keys, reference.keys), (fused.values, reference.values)):
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.05, atol=0.05 * theirs.abs().max().item())
+
 
 def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(tmp_path):
     model = w4a8_model(tmp_path, "qwen2", "bfloat16")

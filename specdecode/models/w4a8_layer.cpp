@@ -32,14 +32,20 @@ __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 cache elements as float32, and back (bfloat16 rounds to nearest even, as torch does).
+// 16 cache elements as float32, and back (bfloat16 rounds to nearest even, as torch does, in integer ops so
+// that CPUs with VNNI but without AVX512_BF16 run it too).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
 
 // out [R, n] = x / rms(x) * weight per row of n (n a multiple of 16); out may be x.
 void rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out) {

@@ -35,7 +35,7 @@ from specdecode.models.quantized_linear import rows_in_multiples
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
 _TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums
 _BLOCK_GROUPS = 8  # groups per bfloat16 multiplier of the 8-bit scale and offset codes (256 inputs, as Q4_K)
-_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 
 
 def w4a8_fits(out_features: int, in_features: int) -> bool:
