@@ -38,7 +38,10 @@ def small_vocab_pair(tmp_path_factory):
     target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), dtype="float32")
     draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB),
                        dtype="float32")
-    return target, draft
+    # The same target in w4a8: its decoder layers run fused in C++ (w4a8_layer.cpp).
+    w4a8_target = load_model(root / "t", dtype="float32", quant="w4a8")
+    assert w4a8_target.model.fused_layers is not None
+    return {"float": target, "w4a8": w4a8_target}, draft
 
 
 def exact_laws(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +78,13 @@ def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     return statistic < critical
 
 
-@pytest.mark.parametrize(("method", "setting"), [
-    ("none", "temperature"), ("draft", "temperature"), ("ngram", "temperature"), ("draft", "top-p"),
-    ("ngram,draft", "top-p"),
+@pytest.mark.parametrize(("method", "setting", "target_kind"), [
+    ("none", "temperature", "float"), ("draft", "temperature", "float"), ("ngram", "temperature", "float"),
+    ("draft", "top-p", "float"), ("ngram,draft", "top-p", "float"), ("ngram,draft", "temperature", "w4a8"),
 ])
-def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method):
-    target, draft = small_vocab_pair
+def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method, target_kind):
+    targets, draft = small_vocab_pair
+    target = targets[target_kind]
     engine = Engine(target, draft)
     params = SETTINGS[setting]
     joint, third = exact_laws(target.model, params)
