@@ -205,7 +205,7 @@ class W4A8DecoderLayer {
     const float scale = 1.f / std::sqrt((float)dim_);
     at::parallel_for(0, rows * kv_heads_, 1, [&](int64_t u0, int64_t u1) {
       std::vector<int64_t> slots;
-      std::vector<float> probs, key(dim_), value(dim_), sums(group * dim_);
+      std::vector<float> probs, seen_rows, totals(group);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r = u / kv_heads_, g = u % kv_heads_, b = r / new_tokens, t = r % new_tokens;
         slots.clear();
@@ -216,15 +216,23 @@ class W4A8DecoderLayer {
         }
         const int64_t n = (int64_t)slots.size(), padded = (n + 15) / 16 * 16;
         probs.assign(group * padded, 0.f);
-        const C* key_base = keys + (b * kv_heads_ + g) * capacity * dim_;
-        const C* value_base = values + (b * kv_heads_ + g) * capacity * dim_;
+        seen_rows.resize(n * dim_);
+        // The visible keys (then values) as float32 rows [n, D]: converted once, read once per query head.
+        const auto gather = [&](const C* base) {
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t d = 0; d < dim_; d += 16) {
+              _mm512_storeu_ps(seen_rows.data() + i * dim_ + d, load16(base + slots[i] * dim_ + d));
+            }
+          }
+        };
+        const int64_t kv_offset = (b * kv_heads_ + g) * capacity * dim_;
         const float* query = qkv + r * width + g * group * dim_;
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t d = 0; d < dim_; d += 16) _mm512_storeu_ps(key.data() + d, load16(key_base + slots[i] * dim_ + d));
-          for (int64_t h = 0; h < group; ++h) probs[h * padded + i] = dot(query + h * dim_, key.data(), dim_) * scale;
+        gather(keys + kv_offset);
+        for (int64_t h = 0; h < group; ++h) {
+          for (int64_t i = 0; i < n; ++i) {
+            probs[h * padded + i] = dot(query + h * dim_, seen_rows.data() + i * dim_, dim_) * scale;
+          }
         }
-        std::fill(sums.begin(), sums.end(), 0.f);
-        std::vector<float> totals(group, 0.f);
         for (int64_t h = 0; h < group; ++h) {
           float* p = probs.data() + h * padded;
           float top = p[0];
@@ -234,27 +242,44 @@ class W4A8DecoderLayer {
             const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, p + i), _mm512_set1_ps(top)));
             _mm512_mask_storeu_ps(p + i, lanes, e);
           }
+          totals[h] = 0.f;
           for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
         }
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t d = 0; d < dim_; d += 16) _mm512_storeu_ps(value.data() + d, load16(value_base + slots[i] * dim_ + d));
-          for (int64_t h = 0; h < group; ++h) {
-            const __m512 weight = _mm512_set1_ps(probs[h * padded + i]);
-            float* sum = sums.data() + h * dim_;
-            for (int64_t d = 0; d < dim_; d += 16) {
-              _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(weight, _mm512_loadu_ps(value.data() + d), _mm512_loadu_ps(sum + d)));
-            }
-          }
-        }
+        gather(values + kv_offset);
         for (int64_t h = 0; h < group; ++h) {
-          const __m512 inv = _mm512_set1_ps(1.f / totals[h]);
           float* target = out + r * heads_ * dim_ + (g * group + h) * dim_;
-          for (int64_t d = 0; d < dim_; d += 16) {
-            _mm512_storeu_ps(target + d, _mm512_mul_ps(_mm512_loadu_ps(sums.data() + h * dim_ + d), inv));
-          }
+          weighted_rows(probs.data() + h * padded, seen_rows.data(), n, dim_, 1.f / totals[h], target);
         }
       }
     });
+  }
+
+  // target [D] = inv * sum over i of p[i] * rows[i] [n, D], summed in row order, up to 128 columns at a time
+  // in registers (so the sums never go through memory).
+  static void weighted_rows(const float* p, const float* rows, int64_t n, int64_t dim, float inv, float* target) {
+    for (int64_t column = 0; column < dim; column += 128) {
+      switch (std::min<int64_t>(8, (dim - column) / 16)) {
+        case 1: weighted_columns<1>(p, rows + column, n, dim, inv, target + column); break;
+        case 2: weighted_columns<2>(p, rows + column, n, dim, inv, target + column); break;
+        case 3: weighted_columns<3>(p, rows + column, n, dim, inv, target + column); break;
+        case 4: weighted_columns<4>(p, rows + column, n, dim, inv, target + column); break;
+        case 5: weighted_columns<5>(p, rows + column, n, dim, inv, target + column); break;
+        case 6: weighted_columns<6>(p, rows + column, n, dim, inv, target + column); break;
+        case 7: weighted_columns<7>(p, rows + column, n, dim, inv, target + column); break;
+        default: weighted_columns<8>(p, rows + column, n, dim, inv, target + column); break;
+      }
+    }
+  }
+
+  template <int CHUNKS>  // 16 columns each, one accumulator register per chunk
+  static void weighted_columns(const float* p, const float* rows, int64_t n, int64_t dim, float inv, float* target) {
+    __m512 sums[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) sums[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 weight = _mm512_set1_ps(p[i]);
+      for (int c = 0; c < CHUNKS; ++c) sums[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + i * dim + 16 * c), sums[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(target + 16 * c, _mm512_mul_ps(sums[c], _mm512_set1_ps(inv)));
   }
 
   torch::Tensor attn_norm_, mlp_norm_, q_norm_, k_norm_;  // float32 weights; q/k norms undefined unless Qwen3
