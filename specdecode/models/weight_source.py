@@ -23,6 +23,7 @@ from specdecode.models.model_config import ModelConfig
 ALL_ROWS = slice(None)
 _CHUNK_ELEMENTS = 1 << 23  # 32 MB of float32 per block of rows, whatever the row length
 
+
 def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Each of our parameter names -> the Hugging Face names (without "model.") stacked into it, in order.
 
