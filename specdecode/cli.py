@@ -8,7 +8,7 @@ import sys
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.errors import SpecDecodeError
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, status
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, status
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +152,7 @@ def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
         return args.draft_quant
     if args.device != "cpu":
         return "none"
-    from specdecode.models.w4a8_linear import w4a8_unavailable
+    from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
     reason = w4a8_unavailable(quiet) if args.group_size == 32 else "it needs --group-size 32"
     if reason and not quiet:

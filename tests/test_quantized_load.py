@@ -11,9 +11,11 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import loader, quantized_model, weight_source
+from specdecode.models import loader
+from specdecode.models.formats import weight_source
+from specdecode.models.quant import quantized_model
 from specdecode.models.loader import load_model
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
+from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 
 # Inputs of 256 and 512 so every weight holds whole 256-weight K-quant blocks.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -146,7 +148,7 @@ def test_random_k_blocks_are_valid_for_gguf_py():
 def test_large_tensors_are_processed_in_row_chunks_with_the_same_result():
     from types import SimpleNamespace
 
-    from specdecode.models.gguf_convert import dequantize_tensor
+    from specdecode.models.formats.gguf_convert import dequantize_tensor
 
     rows = 4096 + 912  # more than one chunk of rows, and a ragged last one
     weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)) * 0.1  # [N, K]

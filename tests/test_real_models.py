@@ -11,7 +11,7 @@ import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.models.loader import load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.real_model
 

@@ -7,7 +7,7 @@ from test_server import running
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.models.loader import load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.server.app import ServerSettings, create_app
 
 CONVERSATIONS = [

@@ -9,10 +9,10 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q6_K, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import quantized_model, w4a8_linear
+from specdecode.models.quant import quantized_model, w4a8_linear
 from specdecode.models.loader import load_model
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear, minmax_groups
-from specdecode.models.w4a8_linear import W4A8Linear
+from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, minmax_groups
+from specdecode.models.quant.w4a8_linear import W4A8Linear
 
 
 def layer_and_weight(out_features: int, in_features: int, seed: int = 0) -> tuple[W4A8Linear, torch.Tensor]:

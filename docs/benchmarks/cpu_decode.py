@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 PROMPTS = Path("../shared/data/humaneval/humaneval_specbench_format.jsonl")
 QUANTS = ("none", "int8", "int4")

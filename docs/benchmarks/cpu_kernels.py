@@ -7,7 +7,7 @@ cache: a single weight reused call after call would measure the cache, not memor
 Kernels: oneDNN bf16 with a prepacked weight (our float path), weight-only int8 per channel
 (`_weight_int8pack_mm`), weight-only int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`), and int8 x int8
 with int32 accumulation (`torch._int_mm`, which needs activations quantized too), and ours: int4 weights x
-int8 activations on AVX-512 VNNI (`--quant w4a8`, specdecode/models/w4a8_kernel.cpp; activation quantization
+int8 activations on AVX-512 VNNI (`--quant w4a8`, specdecode/models/quant/w4a8_kernel.cpp; activation quantization
 included in its time).
 """
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specdecode.models.w4a8_linear import load_kernel
+from specdecode.models.quant.w4a8_linear import load_kernel
 
 # int4: codes + bf16 scale and zero per 32; w4a8: codes + 8-bit scale and offset per 32 + bf16 units per 256
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0, "w4a8": 4.625 / 8}

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from specdecode.models.loader import resolve_source
-from specdecode.models.registry import DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_TARGET
 
 CHILD = """
 import json, sys, threading, time

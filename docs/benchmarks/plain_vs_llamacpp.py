@@ -31,7 +31,7 @@ from pathlib import Path
 from cpu_decode import PROMPTS
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, assemble
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, assemble
 
 LLAMA_SETUPS = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
 OUR_METHODS = ("none", "ngram", "draft", "ngram,draft")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
-from specdecode.models.registry import DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_TARGET
 
 PROMPTS = Path("../shared/data/humaneval/humaneval_specbench_format.jsonl")
 

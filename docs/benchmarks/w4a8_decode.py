@@ -15,7 +15,7 @@ import json
 from cpu_decode import PROMPTS, VERIFY_ROWS, streamed_bytes, verify_cost
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 METHODS = ("none", "ngram", "draft", "ngram,draft")
 

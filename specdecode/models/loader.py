@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_convert import convert_gguf, write_tokenizer
+from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
-from specdecode.models.quantized_linear import check_quant
-from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
-from specdecode.models.registry import DEFAULT_MODELS, assemble, cache_dir
+from specdecode.models.quant.quantized_linear import check_quant
+from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
+from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
 from specdecode.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,

@@ -15,7 +15,7 @@ from torch import nn
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
-from specdecode.models.w4a8_decoder import fused_layers
+from specdecode.models.quant.w4a8_decoder import fused_layers
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""The default-model registry: assembling fake part packages into a verified, cached file."""
+"""The default models: assembling fake part packages into a verified, cached file."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models import registry
-from specdecode.models.registry import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, DefaultModel, assemble
+from specdecode.models.formats import default_models
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, DefaultModel, assemble
 
 
 def make_model(tmp_path, monkeypatch, prefix, contents, sha256=None, size=None) -> DefaultModel:
@@ -48,11 +48,11 @@ def distinct_parts(n=3, size=5000):
 def test_assembles_parts_in_order_and_verifies(tmp_path, monkeypatch, cache):
     contents = distinct_parts()
     model = make_model(tmp_path, monkeypatch, "fakepart_a", contents)
-    assert registry.status(model) == "parts installed"
+    assert default_models.status(model) == "parts installed"
     path = assemble(model, quiet=True)
     assert path == cache / "models" / model.filename
     assert path.read_bytes() == b"".join(contents)
-    assert registry.status(model) == "assembled"
+    assert default_models.status(model) == "assembled"
     # No temp file is left behind: only the model and its stamp.
     assert sorted(p.name for p in path.parent.iterdir()) == [model.filename, model.filename + ".verified.json"]
 
@@ -73,8 +73,8 @@ def test_second_call_does_not_reread_parts(tmp_path, monkeypatch, cache):
     def boom(*args, **kwargs):
         raise AssertionError("parts were read again")
 
-    monkeypatch.setattr(registry, "_concat_and_hash", boom)
-    monkeypatch.setattr(registry, "part_paths", boom)
+    monkeypatch.setattr(default_models, "_concat_and_hash", boom)
+    monkeypatch.setattr(default_models, "part_paths", boom)
     (tmp_path / "site" / "fakepart_b2" / "data" / "part02.bin").unlink()
     assert assemble(model, quiet=True) == first
 
@@ -87,7 +87,7 @@ def test_hash_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch, cache):
     assert model.name in message and "0" * 64 in message
     assert "corrupt or the wrong version" in message and "'fakepart-c1==1.0'" in message
     assert list((cache / "models").iterdir()) == []  # neither the final file nor a temp file
-    assert registry.status(model) == "parts installed"
+    assert default_models.status(model) == "parts installed"
 
 
 def test_size_mismatch_raises_before_writing(tmp_path, monkeypatch, cache):
@@ -105,7 +105,7 @@ def test_missing_part_module_is_named(tmp_path, monkeypatch, cache):
         "part_modules": model.part_modules + ("fakepart_d_absent",),
         "part_distributions": model.part_distributions + ("fakepart-d-absent==1.0",),
     })
-    assert registry.status(model) == "parts missing"
+    assert default_models.status(model) == "parts missing"
     with pytest.raises(SpecDecodeError) as err:
         assemble(model, quiet=True)
     assert "fakepart-d-absent==1.0" in str(err.value)
@@ -126,7 +126,7 @@ def test_truncated_assembled_file_is_rebuilt(tmp_path, monkeypatch, cache):
     path = assemble(model, quiet=True)
     with open(path, "r+b") as f:
         f.truncate(100)
-    assert registry.status(model) == "parts installed"
+    assert default_models.status(model) == "parts installed"
     assert assemble(model, quiet=True).read_bytes() == b"".join(contents)
 
 
@@ -149,13 +149,13 @@ def test_progress_bar_goes_to_stderr(tmp_path, monkeypatch, cache, capsys):
 def test_cache_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert registry.cache_dir() == tmp_path / "xdg" / "specdecode"
-    assert registry.cache_dir().is_dir()
+    assert default_models.cache_dir() == tmp_path / "xdg" / "specdecode"
+    assert default_models.cache_dir().is_dir()
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert registry.cache_dir() == tmp_path / "home" / ".cache" / "specdecode"
+    assert default_models.cache_dir() == tmp_path / "home" / ".cache" / "specdecode"
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "own"))
-    assert registry.cache_dir() == tmp_path / "own"
+    assert default_models.cache_dir() == tmp_path / "own"
 
 
 def test_default_models_table():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.quantized_linear import rows_in_multiples
+from specdecode.models.quant.quantized_linear import rows_in_multiples
 
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
 _TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums

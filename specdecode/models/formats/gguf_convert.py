@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.atomic_folder import write_folder_atomically
+from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.model_config import ModelConfig, unsupported_message
 from specdecode.tokenizer import END_OF_TURN_TOKENS
 

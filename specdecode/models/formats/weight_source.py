@@ -15,9 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_convert import config_from_gguf, dequantize_tensor, field_value, hf_name, open_gguf, \
+from specdecode.models.formats.gguf_convert import config_from_gguf, dequantize_tensor, field_value, hf_name, open_gguf, \
     permuted_heads, unpermute_llama_qk
-from specdecode.models.gguf_int4 import q4_k_groups
+from specdecode.models.formats.gguf_int4 import q4_k_groups
 from specdecode.models.model_config import ModelConfig
 
 ALL_ROWS = slice(None)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.w4a8_linear import W4A8Linear, load_kernel
+from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 

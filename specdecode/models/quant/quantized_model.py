@@ -31,14 +31,14 @@ from torch import nn
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.atomic_folder import write_folder_atomically
-from specdecode.models.gguf_int4 import Q4_K_GROUP
+from specdecode.models.formats.atomic_folder import write_folder_atomically
+from specdecode.models.formats.gguf_int4 import Q4_K_GROUP
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
-from specdecode.models.registry import cache_dir
+from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
+from specdecode.models.formats.default_models import cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
-from specdecode.models.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
+from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
     stacked_as
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
