@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
@@ -11,8 +13,6 @@ MAX_DRAFT_TOKENS = 64
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
 # greedy anyway (every other token's probability underflows to zero).
 GREEDY_BELOW = 1e-5
-# llama.cpp's --spec-type names with a counterpart here.
-METHOD_ALIASES = {"ngram-simple": "ngram", "ngram-map-k": "ngram"}
 
 
 @dataclass(frozen=True)
@@ -49,30 +49,34 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SpecConfig:
-    """How to speculate. method: a drafter name or a comma-separated fallback chain such as 'ngram,draft'."""
+    """How to speculate: a method (a drafter name, or a comma-separated fallback chain such as 'ngram,draft'),
+    the draft length, and each drafter's own options by name (declared in its file, e.g. ngram_max=3).
 
-    method: str = "none"
-    num_draft_tokens: int = 3
-    adaptive: bool = True
-    draft_p_min: float = 0.0  # stop model drafting when the draft's top probability falls below this; 0 = off
-    ngram_min: int = 1
-    ngram_max: int = 4
+        SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
+    """
 
-    def __post_init__(self) -> None:
-        names = (m.strip() for m in self.method.split(","))
-        object.__setattr__(self, "method", ",".join(METHOD_ALIASES.get(m, m) for m in names if m))
+    method: str
+    num_draft_tokens: int
+    adaptive: bool
+    options: tuple[tuple[str, Any], ...]  # (option name, value), sorted by name; unset options keep defaults
+
+    def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
+                 options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), **named_options: Any):
+        from specdecode.drafters.registry import canonical_method, check_option_names  # registry imports this
+
+        merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
+        names = (m.strip() for m in method.split(","))
+        object.__setattr__(self, "method", ",".join(canonical_method(m) for m in names if m))
+        object.__setattr__(self, "num_draft_tokens", num_draft_tokens)
+        object.__setattr__(self, "adaptive", adaptive)
+        object.__setattr__(self, "options", tuple(sorted(merged.items())))
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecDecodeError(
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
-        if not 0 <= self.draft_p_min < 1:
-            raise SpecDecodeError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise SpecDecodeError(
-                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} ngram_max={self.ngram_max}"
-            )
+        check_option_names(list(merged))
 
     @property
     def methods(self) -> tuple[str, ...]:

@@ -1,6 +1,9 @@
-"""The speculative loop: prefill, then propose -> verify in one target forward -> accept -> roll back -> commit.
+"""The speculative loop: start (prefill), then step (propose -> one target forward -> verify -> keep the
+accepted path -> commit), then finish.
 
-`Engine.generate()` is the one iterator every front door (Python API, CLI, server, bench) shares.
+`Engine.generate()` is the one iterator every front door (Python API, CLI, server, bench) shares; `start`,
+`step` and `finish` are the same loop for callers that hold several requests (`Sequence`s) at once.
+The engine knows no method by name: a drafter's needs are data on it (drafters/base.py).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.draft_length import DraftLength
-from specdecode.drafters import DrafterContext, SequenceState, build_drafter
-from specdecode.drafters.base import Drafter
-from specdecode.drafters.draft_model import check_vocabularies
+from specdecode.drafters import Drafter, DrafterResources, build_drafter
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import LoadedModel
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.stats import GenerationStats
 from specdecode.tokenizer import IncrementalDetokenizer
+from specdecode.tree import ForwardInputs, proposal_depth, verify_inputs
 from specdecode.verify import verify
 
 Prompt = str | list[dict] | list[int]
@@ -52,13 +54,21 @@ class Engine:
         # The draft indexes its own rope table too, so the shorter of the two contexts bounds a request.
         model_limit = min(m.config.max_position_embeddings for m in (target, draft) if m is not None)
         self.context_limit = min(context_limit or model_limit, model_limit)
-        if draft is not None:
-            check_vocabularies(target, draft)
+        self.resources = DrafterResources(target, draft, self.context_limit)
+        self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
+        self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.check_spec(self.spec)
 
+    def drafter(self, spec: SpecConfig) -> Drafter:
+        """The drafter for `spec`, created on first use and kept: weights and cross-request caches live once."""
+        key = (spec.method, spec.options)
+        if key not in self._drafters:
+            self._drafters[key] = build_drafter(spec, self.resources, self._members)
+        return self._drafters[key]
+
     def check_spec(self, spec: SpecConfig) -> None:
-        """Fail before any work if the method is unknown or needs a model we do not have."""
-        build_drafter(DrafterContext(spec, self.target, self.draft))  # cheap: drafters allocate in begin()
+        """Fail before any work if the method is unknown, its options are wrong or it needs a missing model."""
+        self.drafter(spec)
 
     def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Text goes through the chat template when the model has one (unless raw); ids pass through."""
@@ -81,40 +91,27 @@ class Engine:
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
                  raw: bool = False) -> Iterator[GenerationEvent]:
         sampling = sampling or SamplingParams()
-        spec = spec or self.spec
-        prompt_ids = self.encode(prompt, raw)
-        drafter = build_drafter(DrafterContext(spec, self.target, self.draft))
-        capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
-        generator = torch.Generator(device=self.target.model.device)
-        generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
-        seq = SequenceState(list(prompt_ids), len(prompt_ids), sampling, generator, capacity)
-        cache = self.target.model.new_cache(capacity)
-        stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids))
-        detokenizer = IncrementalDetokenizer(self.target.tokenizer, sampling.stop)
-        draft_length = DraftLength(spec.num_draft_tokens, spec.adaptive)
-        eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
-
         started = perf_counter()
-        new_ids = self._prefill(seq, cache, drafter)
-        stats.prefill_seconds = perf_counter() - started
-        drafter.begin(seq)
-        while True:
-            new_ids, finish = self._finish(seq, new_ids, eos, capacity)
-            text = detokenizer.add(new_ids)
-            if detokenizer.stopped:
-                # End at the token that completed the stop string, as plain decoding would.
-                del seq.tokens[len(seq.tokens) - len(new_ids) + detokenizer.consumed :]
-                new_ids, finish = new_ids[: detokenizer.consumed], "stop"
-            if finish is None:
+        seq = self.start(self.encode(prompt, raw), sampling, spec or self.spec)
+        detokenizer = IncrementalDetokenizer(self.target.tokenizer, sampling.stop)
+        new_ids = seq.tokens[-1:]
+        try:
+            while True:
+                new_ids, finish = self._finish_reason(seq, new_ids)
+                text = detokenizer.add(new_ids)
+                if detokenizer.stopped:
+                    # End at the token that completed the stop string, as plain decoding would.
+                    del seq.tokens[len(seq.tokens) - len(new_ids) + detokenizer.consumed :]
+                    new_ids, finish = new_ids[: detokenizer.consumed], "stop"
+                if finish is not None:
+                    break
                 yield GenerationEvent(new_ids, text)
-                # A step commits up to k+1 tokens: never more than the budget or the context has room for.
-                room = min(capacity - len(seq.tokens), sampling.max_tokens - self._made(seq))
-                new_ids = self._step(seq, cache, drafter, min(draft_length.current, room - 1), stats, draft_length)
-                continue
-            stats.new_tokens = self._made(seq)
-            stats.total_seconds = perf_counter() - started
-            yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, stats)
-            return
+                new_ids = self.step(seq)
+            seq.stats.new_tokens = seq.generated
+            seq.stats.total_seconds = perf_counter() - started
+            yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, seq.stats)
+        finally:
+            self.finish(seq)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
                  raw: bool = False) -> GenerationResult:
@@ -126,55 +123,71 @@ class Engine:
         return GenerationResult("".join(text), ids, event.finish_reason, event.stats)
 
     @torch.inference_mode()
-    def _prefill(self, seq: SequenceState, cache: KVCache, drafter: Drafter) -> list[int]:
+    def start(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig) -> Sequence:
+        """A new request: prefill the target (and the drafter), sample the first token."""
+        began = perf_counter()
+        drafter = self.drafter(spec)
+        capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
+        draft_length = DraftLength(spec.num_draft_tokens, spec.adaptive)
+        generator = torch.Generator(device=self.target.model.device)
+        generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
+        # Slots beyond the capacity hold a step's proposed nodes until the rejected ones are dropped.
+        cache = self.target.model.new_cache(capacity + drafter.max_nodes(draft_length.maximum))
+        eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
+        seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
+                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids)), eos)
         device = self.target.model.device
-        tokens = torch.tensor([seq.tokens], device=device)  # [1, P]
-        positions = torch.arange(len(seq.tokens), device=device).unsqueeze(0)  # [1, P]
-        out = self.target.model(tokens, positions, cache, hidden_layers=drafter.needs_hidden_layers,
-                                logits_at=slice(-1, None))
-        no_drafts = torch.empty(0, dtype=torch.long, device=device)  # [0]
-        first = verify(no_drafts, None, out.logits[0], seq.sampling, seq.generator).next_token
-        seq.tokens.append(first)
-        return [first]
+        prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
+                              torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
+        prefill = self._forward(seq, prompt, logits_at=slice(-1, None))
+        seq.tokens.append(verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token)
+        drafter.start(seq, prefill)
+        seq.stats.prefill_seconds = perf_counter() - began
+        return seq
 
     @torch.inference_mode()
-    def _step(self, seq: SequenceState, cache: KVCache, drafter: Drafter, k: int, stats: GenerationStats,
-              draft_length: DraftLength) -> list[int]:
+    def step(self, seq: Sequence) -> list[int]:
+        """One speculative step; -> the tokens it committed (at least one)."""
         began = perf_counter()
-        proposal = drafter.propose(seq, k) if k > 0 else None
-        drafted = proposal.tokens[:k] if proposal else []
+        room = min(seq.capacity - len(seq.tokens), seq.sampling.max_tokens - seq.generated)
+        budget = min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
+        proposal = seq.drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(seq.drafter.name)
         proposed = perf_counter()
-        device = self.target.model.device
-        start = len(seq.tokens) - 1  # the last committed token is not in the cache yet
-        inputs = torch.tensor([[seq.tokens[-1], *drafted]], device=device)  # [1, K+1]
-        positions = torch.arange(start, start + len(drafted) + 1, device=device).unsqueeze(0)  # [1, K+1]
-        out = self.target.model(inputs, positions, cache, hidden_layers=drafter.needs_hidden_layers)  # [1, K+1, V]
-        draft_probs = proposal.probs[: len(drafted)] if proposal and proposal.probs is not None else None
-        result = verify(inputs[0, 1:], draft_probs, out.logits[0], seq.sampling, seq.generator)
-        cache.truncate(start + 1 + result.num_accepted)
-        committed = result.tokens
-        seq.tokens.extend(committed)
-        drafter.commit(seq, result)
-        draft_length.update(len(drafted), result.num_accepted)
-        stats.record_step(proposal.source if proposal else "", len(drafted), result.num_accepted, len(committed))
-        stats.draft_seconds += proposed - began
-        stats.verify_seconds += perf_counter() - proposed
-        return committed
+        start = len(seq.tokens) - 1  # the root: the last committed token, not in the cache yet
+        out = self._forward(seq, verify_inputs(seq.tokens[-1], proposal, start, self.target.model.device))
+        result = verify(proposal, out.logits, seq.sampling, seq.generator)
+        seq.cache.keep(start, result.kept_rows)
+        seq.tokens.extend(result.tokens)
+        seq.drafter.commit(seq, result, out.rows(result.kept_rows))
+        depth = proposal_depth(proposal)
+        seq.draft_length.update(depth, result.num_accepted)
+        seq.stats.record_step(proposal.source, proposal.size, depth, result.num_accepted, len(result.tokens))
+        seq.stats.draft_seconds += proposed - began
+        seq.stats.verify_seconds += perf_counter() - proposed
+        return result.tokens
+
+    def finish(self, seq: Sequence) -> None:
+        """The request ended (or was dropped): the drafter lets go of its state for it."""
+        seq.drafter.finish(seq)
+
+    def _forward(self, seq: Sequence, inputs: ForwardInputs, logits_at: slice | None = None) -> TargetOutput:
+        """One target forward, with the hidden states the sequence's drafter reads; batch dimension removed."""
+        caps = seq.drafter.caps
+        out = self.target.model(inputs.tokens, inputs.positions, seq.cache, attn_mask=inputs.mask,
+                                hidden_layers=caps.hidden_layers, logits_at=logits_at, final_hidden=caps.final_hidden)
+        final = None if out.final_hidden is None else out.final_hidden[0]  # [T, H]
+        return TargetOutput(out.logits[0], {k: v[0] for k, v in out.hidden.items()}, final)
 
     @staticmethod
-    def _made(seq: SequenceState) -> int:
-        return len(seq.tokens) - seq.prompt_len
-
-    def _finish(self, seq: SequenceState, new_ids: list[int], eos: frozenset[int], capacity: int
-                ) -> tuple[list[int], str | None]:
+    def _finish_reason(seq: Sequence, new_ids: list[int]) -> tuple[list[int], str | None]:
         """Cut the newest ids after an end-of-turn token; say why generation ends, if it does.
 
-        The draft length is capped so a step never passes the token budget or the context (see generate).
+        A step's draft budget keeps it within the token budget and the context (see step).
         """
         for i, token in enumerate(new_ids):
-            if token in eos:
+            if token in seq.eos:
                 del seq.tokens[len(seq.tokens) - len(new_ids) + i + 1 :]
                 return new_ids[: i + 1], "stop"
-        if self._made(seq) >= seq.sampling.max_tokens or len(seq.tokens) >= capacity:
+        if seq.generated >= seq.sampling.max_tokens or len(seq.tokens) >= seq.capacity:
             return new_ids, "length"
         return new_ids, None

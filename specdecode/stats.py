@@ -25,18 +25,20 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def record_step(self, source: str, drafted: int, accepted: int, committed: int) -> None:
+    def record_step(self, source: str, nodes: int, depth: int, accepted: int, committed: int) -> None:
+        """One verify forward: `nodes` drafted tokens checked (a tree's every node), its longest path `depth`
+        tokens deep (a chain's: all of them), `accepted` of them kept, `committed` tokens added (bonus too)."""
         self.target_forwards += 1
         self.step_tokens += committed
-        self.drafted_tokens += drafted
+        self.drafted_tokens += nodes
         self.accepted_tokens += accepted
-        if drafted:
+        if nodes:
             self.drafting_steps += 1
-            self.rejections += accepted < drafted
-            self.drafted_by[source] = self.drafted_by.get(source, 0) + drafted
+            self.rejections += accepted < depth
+            self.drafted_by[source] = self.drafted_by.get(source, 0) + nodes
             self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
-        self.cover_positions(drafted)
-        for position in range(drafted):
+        self.cover_positions(depth)
+        for position in range(depth):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < accepted
 

@@ -17,6 +17,7 @@ from conftest import save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.sampling import logits_to_probs
 
 VOCAB = 8
@@ -40,7 +41,7 @@ def small_vocab_pair(tmp_path_factory):
                        dtype="float32")
     # The same target in w4a8: its decoder layers run fused in C++ (w4a8_layer.cpp).
     w4a8_target = load_model(root / "t", dtype="float32", quant="w4a8")
-    assert w4a8_target.model.fused_layers is not None
+    assert isinstance(w4a8_target.model.layers[0], W4A8DecoderLayer)
     return {"float": target, "w4a8": w4a8_target}, draft
 
 

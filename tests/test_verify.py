@@ -12,10 +12,30 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.sampling import logits_to_probs
-from specdecode.verify import VerifyResult, greedy_accept, match_sample, rejection_sample, verify
+from specdecode.spec_types import DraftProposal, VerifyResult
+from specdecode.tree import children_of
+from specdecode.verify import greedy_walk, sampling_walk, verify
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# The chain rules, through the one tree code path (a chain is the tree whose node i hangs off node i-1).
+def _chain(draft: torch.Tensor, q: torch.Tensor | None = None) -> tuple[DraftProposal, list[list[int]]]:
+    proposal = DraftProposal(draft, None, q)
+    return proposal, children_of(proposal.parent_list())
+
+
+def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+    return greedy_walk(*_chain(draft), logits)
+
+
+def rejection_sample(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator) -> VerifyResult:
+    return sampling_walk(*_chain(draft, q), p, generator)
+
+
+def match_sample(draft: torch.Tensor, p: torch.Tensor, generator) -> VerifyResult:
+    return sampling_walk(*_chain(draft), p, generator)
 
 
 def _reference_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:
@@ -120,7 +140,7 @@ def test_first_rejected_recovers_from_residual() -> None:
         # residual max(0, p_0 - q_0) = [0, 0, 0.7]: only token 2 can be recovered
         result = rejection_sample(draft, q, p, torch.Generator().manual_seed(seed))
         assert result.num_accepted == 0 and result.tokens == [2]
-        assert match_sample(draft, p, torch.Generator().manual_seed(seed)).accepted.tolist() == []
+        assert match_sample(draft, p, torch.Generator().manual_seed(seed)).path == []
     assert greedy_accept(draft, p).tokens == [2]
 
 
@@ -156,22 +176,23 @@ def test_verify_dispatches_by_params_and_draft_kind() -> None:
     p = logits_to_probs(target_logits, params)  # [K+1, V]
 
     greedy = SamplingParams(temperature=0.0)
-    assert verify(draft, q, target_logits, greedy, None).tokens == greedy_accept(draft, target_logits).tokens
+    sampled, deterministic = DraftProposal(draft, None, q), DraftProposal(draft)
+    assert verify(sampled, target_logits, greedy, None).tokens == greedy_accept(draft, target_logits).tokens
     matched, rejected = [], []
     for seed in range(20):
         via_match = match_sample(draft, p, torch.Generator().manual_seed(seed)).tokens
         via_rejection = rejection_sample(draft, q, p, torch.Generator().manual_seed(seed)).tokens
-        assert verify(draft, None, target_logits, params, torch.Generator().manual_seed(seed)).tokens == via_match
-        assert verify(draft, q, target_logits, params, torch.Generator().manual_seed(seed)).tokens == via_rejection
+        assert verify(deterministic, target_logits, params, torch.Generator().manual_seed(seed)).tokens == via_match
+        assert verify(sampled, target_logits, params, torch.Generator().manual_seed(seed)).tokens == via_rejection
         matched.append(via_match)
         rejected.append(via_rejection)
     assert matched != rejected  # the two rules disagree on some seed, so the comparisons above discriminate
 
 
 def test_verify_result_commits_accepted_then_next() -> None:
-    result = VerifyResult(accepted=torch.tensor([4, 2]), next_token=7)
-    assert result.num_accepted == 2 and result.tokens == [4, 2, 7]
-    assert VerifyResult(accepted=torch.zeros(0, dtype=torch.long), next_token=3).tokens == [3]
+    result = VerifyResult(path=[0, 1], tokens=[4, 2, 7])
+    assert result.num_accepted == 2 and result.next_token == 7 and result.kept_rows == [0, 1, 2]
+    assert VerifyResult(path=[], tokens=[3]).kept_rows == [0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,7 +23,8 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.verify import VerifyResult, verify
+from specdecode.spec_types import DraftProposal, VerifyResult
+from specdecode.verify import verify
 
 
 V = 6
@@ -43,6 +44,11 @@ StepFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingPara
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def chain_verify(draft_tokens, draft_probs, target_logits, params, generator) -> VerifyResult:
+    """verify() on a chain of drafts (tests/test_tree_verify.py covers trees)."""
+    return verify(DraftProposal(draft_tokens, None, draft_probs), target_logits, params, generator)
 
 
 def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +139,7 @@ def _assert_matches(emitted: torch.Tensor, joint: torch.Tensor) -> None:
 def test_speculative_output_follows_target_distribution(setting: str, drafts: str) -> None:
     deterministic = drafts == "deterministic"
     emitted, joint = _emit_two_tokens(
-        verify, SETTINGS[setting], deterministic=deterministic, pass_probs=not deterministic, seed=7
+        chain_verify, SETTINGS[setting], deterministic=deterministic, pass_probs=not deterministic, seed=7
     )
     _assert_matches(emitted, joint)
 
@@ -145,7 +151,7 @@ def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, 
     accepted_mask = (p[positions, draft_tokens] >= draft_probs[positions, draft_tokens]).tolist()  # [K]
     count = accepted_mask.index(False) if False in accepted_mask else len(accepted_mask)
     residual = (p[count] - draft_probs[count]).clamp_min(0) if count < len(accepted_mask) else p[count]  # [V]
-    return VerifyResult(draft_tokens[:count], int(sample(residual, generator)))
+    return VerifyResult(list(range(count)), draft_tokens[:count].tolist() + [int(sample(residual, generator))])
 
 
 @pytest.mark.parametrize(
@@ -153,7 +159,7 @@ def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, 
     [
         ("accept iff p(x) >= q(x)", _accept_when_target_likes_it_more, False),
         # The misuse verify() warns about: argmax drafts judged against the softmax they were not drawn from.
-        ("argmax drafts with softmax q", verify, True),
+        ("argmax drafts with softmax q", chain_verify, True),
     ],
 )
 def test_check_rejects_wrong_rules(name: str, step: StepFn, deterministic: bool) -> None:
@@ -169,6 +175,6 @@ def test_check_rejects_wrong_rules(name: str, step: StepFn, deterministic: bool)
 
 def test_distribution_check_is_deterministic_under_a_seed() -> None:
     params = SETTINGS["top_p"]
-    first, _ = _emit_two_tokens(verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
-    second, _ = _emit_two_tokens(verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
+    first, _ = _emit_two_tokens(chain_verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
+    second, _ = _emit_two_tokens(chain_verify, params, deterministic=False, pass_probs=True, seed=3, n=500)
     assert torch.equal(first, second)

@@ -8,7 +8,10 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
+from torch import nn
+
 from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.rope import RopeTable, inverse_frequencies
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
@@ -17,7 +20,7 @@ ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # 
 def w4a8_model(tmp_path, arch: str, dtype: str, **overrides):
     folder = save_tiny_model(tmp_path / arch, arch, scale=0.15, **{**ARCHS[arch], **overrides})
     model = load_model(folder, dtype=dtype, quant="w4a8").model
-    assert model.fused_layers is not None
+    assert all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers)
     return model
 
 
@@ -29,14 +32,14 @@ def forward(model, tokens: torch.Tensor, cache, start: int, **kwargs):
 
 def pytorch_forward(model, tokens: torch.Tensor, cache=None):
     """The same model run by the PyTorch layers (its own cos/sin table in the model's dtype)."""
-    fused, rope = model.fused_layers, model.rope
-    model.fused_layers = None
+    fused, rope = model.layers, model.rope
+    model.layers = nn.ModuleList(layer.unfused() for layer in fused)
     model.rope = RopeTable(inverse_frequencies(model.config, model.rope_factors),
                            model.config.max_position_embeddings, model.dtype, model.device)
     try:
         return forward(model, tokens, cache or model.new_cache(tokens.shape[1]), 0, hidden_layers=(1, 2))
     finally:
-        model.fused_layers, model.rope = fused, rope
+        model.layers, model.rope = fused, rope
 
 
 def tokens_of(count: int, seed: int, batch: int = 1) -> torch.Tensor:

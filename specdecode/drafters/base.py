@@ -1,122 +1,94 @@
-"""The drafter protocol, its data types, and the registry that maps method names to drafters.
+"""The drafter protocol: lifetimes, capabilities as data, and options declared once with their peers' names.
 
-Invariant every drafter relies on: `seq.tokens` holds the prompt and every committed token; the last one has
-not been through the target yet. A model-based drafter keeps its own cache as a prefix of `seq.tokens` and
-catches up on whatever it has not seen at the start of each `propose`.
+Lifetimes: `create(resources, options)` runs once per Engine (per distinct options) and owns weights and
+cross-request caches. Per request: `start` after the target's prefill, then each step `propose` and, after
+verification, `commit` with the target's output gathered along the accepted path; `finish` at the end.
+A drafter keeps per-request state in `seq.drafter_state[self.name]`, never on itself, so one drafter serves
+every request of an Engine, interleaved or not.
+
+Capabilities are data the engine reads instead of asking which method it runs: which target hidden states a
+drafter reads (boundary ids, DESIGN.md), whether it reads the final hidden state, whether it emits draft
+probabilities or trees, whether its proposals have a fixed block size, whether it needs a draft model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from specdecode.config import SamplingParams, SpecConfig
-from specdecode.errors import SpecDecodeError
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
     from specdecode.models.loader import LoadedModel
-    from specdecode.verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class DrafterCaps:
+    hidden_layers: tuple[int, ...] = ()  # target hidden states it reads, by boundary id
+    final_hidden: bool = False  # reads the target's hidden state after the final norm
+    emits_probs: bool = False  # may propose nodes drawn from a distribution q (else deterministic drafts)
+    emits_trees: bool = False  # may propose trees, not only chains
+    block_size: int | None = None  # proposals of a fixed size (a block drafter), else the adaptive length
+    needs_draft_model: bool = False  # callers must load a draft model for it
 
 
 @dataclass
-class SequenceState:
-    tokens: list[int]  # prompt + committed output
-    prompt_len: int
-    sampling: SamplingParams
-    generator: torch.Generator
-    capacity: int  # the most tokens this sequence may ever hold (context limit)
+class DrafterResources:
+    """What a drafter may need to build itself, once per Engine; each takes what it uses."""
 
-
-@dataclass
-class DraftProposal:
-    tokens: list[int]  # [K] chain of drafted ids; empty = nothing to propose this step
-    probs: torch.Tensor | None = None  # [K, V] draft distribution q; None = deterministic drafts
-    source: str = ""  # which method produced it (a combination reports its winning member)
-
-    @classmethod
-    def empty(cls, source: str = "") -> DraftProposal:
-        return cls([], None, source)
-
-
-@dataclass
-class DrafterContext:
-    """What a drafter may need to build itself; each takes what it uses."""
-
-    spec: SpecConfig
     target: LoadedModel
     draft: LoadedModel | None = None
+    context_limit: int = 0
+
+
+def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,
+           cli: tuple[str, ...] = ()) -> Any:
+    """A drafter option: its default, a help line, and the names llama.cpp's server flags and vLLM's
+    `speculative_config` give it (accepted as aliases by our CLI and `--speculative-config`)."""
+    return field(default=default, metadata={"help": help, "llama_cpp": llama_cpp, "vllm": vllm, "cli": cli})
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    def check(self) -> None:
+        """Raise SpecDecodeError on values that make no sense together (single values are typed)."""
 
 
 class Drafter:
     name: ClassVar[str]
-    needs_hidden_layers: ClassVar[tuple[int, ...]] = ()  # target hidden states (boundary ids) it reads
-    needs_draft_model: ClassVar[bool] = False  # whether callers must load a draft model for it
+    caps: DrafterCaps = DrafterCaps()  # a class default; an instance may refine it from its weights in create()
+    Options: ClassVar[type] = NoOptions
+    aliases: ClassVar[tuple[str, ...]] = ()  # other runtimes' method names for it (llama.cpp's --spec-type)
+    vllm_method: ClassVar[str | None] = None  # vLLM's speculative_config "method" for it
 
     @classmethod
-    def create(cls, context: DrafterContext) -> Drafter:
+    def create(cls, resources: DrafterResources, options: Any) -> Drafter:
         return cls()
 
-    def begin(self, seq: SequenceState) -> None:
-        """Called once after the target's prefill."""
+    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
+        covers the prompt's rows (hidden states at every row, logits at the last)."""
 
-    def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        """At most `budget` tokens on any root-to-leaf path (the context and token budget allow no more)."""
         raise NotImplementedError
 
-    def commit(self, seq: SequenceState, result: VerifyResult) -> None:
-        """Called after `seq.tokens` gained the accepted tokens: advance or roll back own state."""
+    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted
+        path (the root, then each accepted node). `result.source` says whose proposal was verified."""
+
+    def finish(self, seq: Sequence) -> None:
+        """The request ended: drop its state."""
+        seq.drafter_state.pop(self.name, None)
+
+    def max_nodes(self, budget: int) -> int:
+        """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""
+        return budget
 
 
-DRAFTERS: dict[str, type[Drafter]] = {}
+def option_fields(cls: type[Drafter]) -> list:
+    return list(fields(cls.Options))
 
 
-def register(cls: type[Drafter]) -> type[Drafter]:
-    DRAFTERS[cls.name] = cls
-    return cls
-
-
-class FallbackDrafter(Drafter):
-    """A chain such as 'ngram,draft' (llama.cpp's rule): the first member with a draft wins the step."""
-
-    name = "fallback"
-
-    def __init__(self, members: list[Drafter]):
-        self.members = members
-        self.needs_hidden_layers = tuple(sorted({i for m in members for i in m.needs_hidden_layers}))
-
-    def begin(self, seq: SequenceState) -> None:
-        for member in self.members:
-            member.begin(seq)
-
-    def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        for member in self.members:
-            proposal = member.propose(seq, k)
-            if proposal.tokens:
-                return proposal
-        return DraftProposal.empty(self.members[-1].name)
-
-    def commit(self, seq: SequenceState, result: VerifyResult) -> None:
-        for member in self.members:
-            member.commit(seq, result)
-
-
-def validate_method(spec: SpecConfig) -> tuple[str, ...]:
-    methods = spec.methods
-    unknown = [m for m in methods if m not in DRAFTERS]
-    if not methods or unknown:
-        raise SpecDecodeError(
-            f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(DRAFTERS))} "
-            "or a comma-separated chain such as 'ngram,draft'"
-        )
-    return methods
-
-
-def needs_draft_model(spec: SpecConfig) -> bool:
-    """Whether any method of `spec` drafts with a draft model, so callers load one only when it is used."""
-    return any(DRAFTERS[m].needs_draft_model for m in validate_method(spec))
-
-
-def build_drafter(context: DrafterContext) -> Drafter:
-    members = [DRAFTERS[m].create(context) for m in validate_method(context.spec)]
-    return members[0] if len(members) == 1 else FallbackDrafter(members)
+def option_default(item) -> Any:
+    return None if item.default is MISSING else item.default

@@ -1,29 +1,65 @@
-"""Prompt lookup: if the last n tokens occurred before, propose what followed them then. No model."""
+"""Prompt lookup: if the last n tokens occurred before, propose what followed them then. No model.
+
+With `ngram_branches` above 1, the continuations of several earlier matches are proposed together as a tree
+(common prefixes merged, the most recent match first), so one verify forward checks them all.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
 
-from specdecode.drafters.base import DraftProposal, Drafter, DrafterContext, SequenceState, register
+import numpy as np
+import torch
+
+from specdecode.drafters.base import Drafter, option
+from specdecode.drafters.registry import register
+from specdecode.errors import SpecDecodeError
+from specdecode.spec_types import DraftProposal, Sequence
+from specdecode.tree import tree_from_paths
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    ngram_min: int = option(1, "shortest suffix n-gram to look up", vllm="prompt_lookup_min")
+    ngram_max: int = option(4, "longest suffix n-gram to look up", vllm="prompt_lookup_max")
+    ngram_branches: int = option(1, "continuations of distinct earlier matches proposed as one tree (1 = a chain)")
+
+    def check(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpecDecodeError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} ngram_max={self.ngram_max}")
+        if not 1 <= self.ngram_branches <= 8:
+            raise SpecDecodeError(f"ngram_branches must be between 1 and 8, got {self.ngram_branches}")
 
 
 @register
 class NgramDrafter(Drafter):
     name = "ngram"
+    Options = NgramOptions
+    aliases = ("ngram-simple", "ngram-map-k")  # llama.cpp's --spec-type names
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, options: NgramOptions):
+        self.options = options
 
     @classmethod
-    def create(cls, context: DrafterContext) -> NgramDrafter:
-        return cls(context.spec.ngram_min, context.spec.ngram_max)
+    def create(cls, resources, options: NgramOptions) -> NgramDrafter:
+        return cls(options)
 
-    def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        return DraftProposal(find_continuation(seq.tokens, k, self.min_n, self.max_n), None, self.name)
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        o = self.options
+        paths = find_continuations(seq.tokens, budget, o.ngram_min, o.ngram_max, o.ngram_branches)
+        if len(paths) <= 1:
+            return DraftProposal.chain(paths[0] if paths else [], source=self.name)
+        tokens, parents = tree_from_paths(paths)
+        return DraftProposal(torch.tensor(tokens), torch.tensor(parents), None, self.name)
+
+    def max_nodes(self, budget: int) -> int:
+        return budget * self.options.ngram_branches
 
 
-def find_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+def find_continuations(tokens: list[int], k: int, min_n: int, max_n: int, branches: int = 1) -> list[list[int]]:
+    """Up to `branches` continuations of k tokens, from the most recent earlier occurrences of the longest
+    matching suffix whose continuations differ (most recent first); [] if no suffix of min_n tokens recurs."""
     if k <= 0 or len(tokens) < min_n + 1:
         return []
     history = np.asarray(tokens, dtype=np.int64)  # [L]
@@ -32,9 +68,16 @@ def find_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list
         # Windows that start early enough to be followed by at least one token (excludes the suffix itself).
         windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)  # [L-n, n]
         matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n  # most recent occurrence: its context is likeliest to repeat
-            return _copy_forward(history[start:].tolist(), len(tokens) - start, k)
+        paths: list[list[int]] = []
+        for match in matches[::-1]:  # most recent first: its context is likeliest to repeat
+            start = int(match) + n
+            path = _copy_forward(history[start:].tolist(), len(tokens) - start, k)
+            if path not in paths:
+                paths.append(path)
+                if len(paths) == branches:
+                    break
+        if paths:
+            return paths
     return []
 
 

@@ -1,11 +1,13 @@
 """Plain decoding through the same engine: the baseline every method is measured against."""
 
-from specdecode.drafters.base import DraftProposal, Drafter, SequenceState, register
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.registry import register
+from specdecode.spec_types import DraftProposal, Sequence
 
 
 @register
 class NoDrafter(Drafter):
     name = "none"
 
-    def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         return DraftProposal.empty(self.name)

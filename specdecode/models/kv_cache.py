@@ -71,6 +71,16 @@ class KVCache:
         for b in targets:
             self.lengths[b] = length
 
+    def keep(self, start: int, rows: list[int], batch_index: int = 0) -> None:
+        """After a verify forward written from slot `start`: keep its `rows` (ascending), drop the rest.
+
+        A chain's accepted rows are 0..A, a prefix: that is a truncate. A tree's path skips rows: one compact.
+        """
+        if rows[-1] == len(rows) - 1:
+            self.truncate(start + len(rows), batch_index)
+        else:
+            self.compact(torch.tensor(rows, device=self.positions.device) + start, start, batch_index)
+
     def compact(self, keep_slots: torch.Tensor, start: int, batch_index: int = 0) -> None:
         """Tree rollback: keep slots [0, start) plus `keep_slots` [N] (ascending, all >= start), packed after start.
 

@@ -40,6 +40,15 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def parameter_count(self) -> int:
+        """Weights the architecture holds, from its sizes (a quantized model's buffers would miscount them)."""
+        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim \
+            + self.num_heads * self.head_dim * self.hidden_size
+        layer = attention + 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer
+
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         """Build from a Hugging Face config.json dict; a missing or malformed field is one clear error."""

@@ -15,7 +15,6 @@ from torch import nn
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
-from specdecode.models.quant.w4a8_decoder import fused_layers
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +85,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm decoder block. Fused kernels replace it with a subclass of the same signature and the
+    same submodules (so saved weights keep their names), e.g. quant/w4a8_decoder.py."""
+
+    rope_dtype: torch.dtype | None = None  # the cos/sin dtype it wants; None = the model's dtype
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,11 +97,24 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden] the residual stream
+        cos: torch.Tensor,  # [B, 1, T, D/2]
+        sin: torch.Tensor,  # [B, 1, T, D/2]
+        cache: KVCache,
+        index: int,  # this layer's index in the cache
+        mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, index, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
 
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, T', V] float32, T' = len(logits_at) or T
     hidden: dict[int, torch.Tensor]  # boundary id -> [B, T, hidden]
+    final_hidden: torch.Tensor | None = None  # [B, T, hidden] after the final norm, when asked for
 
 
 class Transformer(nn.Module):
@@ -110,7 +127,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RopeTable | None = None
         self.rope_factors: torch.Tensor | None = None
-        self.fused_layers: list | None = None
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
         """Once the weights (and so dtype and device) are final: tie a float output head to the embedding where
@@ -118,11 +134,9 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed.weight
         self.rope_factors = rope_factors  # [D/2] llama3 divisors from a GGUF file; kept so a saved copy has them
-        # w4a8 models run each layer as one C++ call (w4a8_decoder.py); their cos/sin table is float32.
-        self.fused_layers = fused_layers(self.layers, self.config, self.dtype)
         weight = self.embed.weight
         inv_freq = inverse_frequencies(self.config, rope_factors)
-        rope_dtype = torch.float32 if self.fused_layers else weight.dtype
+        rope_dtype = self.layers[0].rope_dtype or weight.dtype  # fused layers take float32 cos/sin
         self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, rope_dtype, weight.device)
 
     @property
@@ -142,9 +156,12 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
         cache: KVCache,
-        attn_mask: torch.Tensor | None = None,  # [B, T, T] bool over the new tokens; None = causal
-        hidden_layers: tuple[int, ...] = (),
+        # [B, T, R+T] bool: which of the last R cached slots and of the new tokens each new token may see (the
+        # earlier past is always visible; R = 0 for a tree of new tokens); None = causal
+        attn_mask: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),  # boundary ids of the residual stream to return
         logits_at: torch.Tensor | slice | None = None,  # which of the T positions need logits; None = all
+        final_hidden: bool = False,  # also return every position's hidden state after the final norm
     ) -> ForwardOutput:
         new = tokens.shape[1]
         cache.check_room(new)
@@ -153,18 +170,15 @@ class Transformer(nn.Module):
         cache.record_positions(positions)
         x = self.embed(tokens)  # [B, T, hidden]
         hidden = {0: x} if 0 in hidden_layers else {}
-        if self.fused_layers:
-            x = x.float()  # the fused layers keep the residual stream in float32
         for index, layer in enumerate(self.layers):
-            if self.fused_layers:
-                x = self.fused_layers[index].forward(x, cache.keys[index], cache.values[index], cache.lengths,
-                                                     cos, sin, mask)
-            else:
-                x = x + layer.attn(layer.attn_norm(x), cos, sin, cache, index, mask)
-                x = x + layer.mlp(layer.mlp_norm(x))
+            x = layer(x, cos, sin, cache, index, mask)  # fused layers keep it in float32
             if index + 1 in hidden_layers:
                 hidden[index + 1] = x.to(self.dtype)
         cache.advance(new)
+        if final_hidden:
+            normed = self.norm(x)  # [B, T, hidden]
+            head_input = normed if logits_at is None else normed[:, logits_at]
+            return ForwardOutput(self.lm_head(head_input).float(), hidden, normed.to(self.dtype))
         if logits_at is not None:
             x = x[:, logits_at]
         logits = self.lm_head(self.norm(x)).float()  # [B, T', V]
@@ -188,9 +202,11 @@ class Transformer(nn.Module):
         if tree is None:
             visible = relative <= query  # [B, T, S]: causal over new tokens, all of the past
         else:
-            in_new = (relative >= 0) & (relative < new)  # [B, 1, S]
-            tree_cols = tree.gather(2, relative.clamp(0, new - 1).expand(batch, new, used))  # [B, T, S]
-            visible = (relative < 0) | (in_new & tree_cols)
+            covered = tree.shape[2]  # R trailing cached slots + the T new ones
+            column = relative + (covered - new)  # [B, 1, S] index into the mask's columns; < 0 = older past
+            in_mask = (column >= 0) & (relative < new)  # [B, 1, S]
+            tree_cols = tree.gather(2, column.clamp(0, covered - 1).expand(batch, new, used))  # [B, T, S]
+            visible = (column < 0) | (in_mask & tree_cols)
         if needs_window:
             key_positions = cache.positions[:, :used].unsqueeze(1)  # [B, 1, S], new slots filled below
             key_positions = key_positions.clone()

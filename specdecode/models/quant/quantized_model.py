@@ -37,6 +37,7 @@ from specdecode.models.model_config import ModelConfig
 from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
 from specdecode.models.formats.default_models import cache_dir
 from specdecode.models.transformer import Transformer
+from specdecode.models.quant.w4a8_decoder import fuse_layers
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
 from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
     stacked_as
@@ -89,6 +90,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     rope_factors = source.get("rope_freqs") if "rope_freqs" in source.names() else None
+    fuse_layers(model)
     model.finish_loading(rope_factors)
     return model.eval()
 
@@ -162,6 +164,7 @@ def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Trans
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     rope_factors = state.pop("rope_freqs", None)
     model.load_state_dict(state, strict=True, assign=True)
+    fuse_layers(model)
     model.finish_loading(rope_factors)
     if model.dtype != dtype:
         raise SpecDecodeError(f"{path} holds a {model.dtype} model, not {dtype}; delete it to rebuild")

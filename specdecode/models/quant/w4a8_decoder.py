@@ -18,20 +18,48 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.model_config import ModelConfig
+from specdecode.models.kv_cache import KVCache
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel
+from specdecode.models.transformer import DecoderLayer, Transformer
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 
 
-def fused_layers(layers: nn.ModuleList, config: ModelConfig, dtype: torch.dtype) -> list | None:
-    """One C++ layer per decoder layer when every matmul in them is w4a8 and the sizes suit the vector code;
-    None otherwise (the PyTorch path then runs)."""
+class W4A8DecoderLayer(DecoderLayer):
+    """A decoder layer whose whole forward is one C++ call; the same submodules as the layer it replaces, so
+    saved weights keep their names."""
+
+    rope_dtype = torch.float32  # the C++ rope reads float32 cos/sin
+
+    def __init__(self, layer: DecoderLayer, kernel_layer):
+        nn.Module.__init__(self)
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp
+        self.kernel_layer = kernel_layer  # the compiled layer: it holds the weights' packed tensors
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # The residual stream stays float32 between fused layers (a no-op after the first one).
+        return self.kernel_layer.forward(x.float(), cache.keys[index], cache.values[index], cache.lengths, cos,
+                                         sin, mask)
+
+    def unfused(self) -> DecoderLayer:
+        """The same weights run by the PyTorch layer (for comparisons)."""
+        layer = DecoderLayer.__new__(DecoderLayer)
+        nn.Module.__init__(layer)
+        layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp = self.attn_norm, self.attn, self.mlp_norm, self.mlp
+        return layer
+
+
+def fuse_layers(model: Transformer) -> None:
+    """Replace each decoder layer by a fused one when every matmul in them is w4a8 and the sizes suit the
+    vector code (else the PyTorch layers run). Call before `finish_loading`, which builds the cos/sin table
+    in the dtype the layers want."""
+    layers, config = model.layers, model.config
     linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
     if not linears or not all(isinstance(m, W4A8Linear) for m in linears):
-        return None
-    if dtype not in _CACHE_DTYPES or config.head_dim % 16:  # w4a8 shapes already make the other sizes fit
-        return None
+        return
+    if model.dtype not in _CACHE_DTYPES or config.head_dim % 16:  # w4a8 shapes already make the other sizes fit
+        return
     kernel = load_kernel()
 
     def weight(linear: W4A8Linear):
@@ -40,8 +68,10 @@ def fused_layers(layers: nn.ModuleList, config: ModelConfig, dtype: torch.dtype)
     def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()
 
-    return [kernel.DecoderLayer(layer.attn_norm.weight.detach(), weight(layer.attn.qkv), weight(layer.attn.o),
-                                layer.mlp_norm.weight.detach(), weight(layer.mlp.gate_up), weight(layer.mlp.down),
-                                norm_weight(layer.attn.q_norm), norm_weight(layer.attn.k_norm), config.num_heads,
-                                config.num_kv_heads, config.head_dim, config.rms_norm_eps)
-            for layer in layers]
+    model.layers = nn.ModuleList(
+        W4A8DecoderLayer(layer, kernel.DecoderLayer(
+            layer.attn_norm.weight.detach(), weight(layer.attn.qkv), weight(layer.attn.o),
+            layer.mlp_norm.weight.detach(), weight(layer.mlp.gate_up), weight(layer.mlp.down),
+            norm_weight(layer.attn.q_norm), norm_weight(layer.attn.k_norm), config.num_heads,
+            config.num_kv_heads, config.head_dim, config.rms_norm_eps))
+        for layer in layers)

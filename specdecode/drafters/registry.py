@@ -1,0 +1,90 @@
+"""Method names -> drafter classes, their options, and the names other runtimes use for both.
+
+Everything a front door needs about drafters comes from here: the CLI builds its flags from `all_options()`,
+the server its `speculative` fields, the bench its method strings and `--speculative-config` its vLLM names,
+so a new drafter's options are declared once, in its own file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import Field, fields
+from typing import Any
+
+from specdecode.config import SpecConfig
+from specdecode.drafters.base import Drafter, DrafterResources
+from specdecode.errors import SpecDecodeError
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register(cls: type[Drafter]) -> type[Drafter]:
+    taken = all_options()
+    for item in fields(cls.Options):
+        if item.name in taken:  # option names are global (flags, JSON fields), so two drafters cannot share one
+            raise ValueError(f"option {item.name!r} of {cls.name!r} is already an option of {taken[item.name][0].name!r}")
+    DRAFTERS[cls.name] = cls
+    return cls
+
+
+def all_options() -> dict[str, tuple[type[Drafter], Field]]:
+    """Option name -> (the drafter that declares it, its dataclass field)."""
+    return {item.name: (cls, item) for cls in DRAFTERS.values() for item in fields(cls.Options)}
+
+
+def canonical_method(name: str) -> str:
+    """Our name for a method, given ours or another runtime's (llama.cpp's --spec-type, vLLM's method)."""
+    for cls in DRAFTERS.values():
+        if name in cls.aliases or name == cls.vllm_method:
+            return cls.name
+    return name
+
+
+def check_option_names(names: list[str]) -> None:
+    known = all_options()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SpecDecodeError(f"unknown speculative option {unknown[0]!r}; options: {', '.join(sorted(known))}")
+
+
+def validate_method(spec: SpecConfig) -> tuple[str, ...]:
+    methods = spec.methods
+    unknown = [m for m in methods if m not in DRAFTERS]
+    if not methods or unknown:
+        raise SpecDecodeError(
+            f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(DRAFTERS))} "
+            "or a comma-separated chain such as 'ngram,draft'"
+        )
+    return methods
+
+
+def needs_draft_model(spec: SpecConfig) -> bool:
+    """Whether any method of `spec` drafts with a draft model, so callers load one only when it is used."""
+    return any(DRAFTERS[m].caps.needs_draft_model for m in validate_method(spec))
+
+
+def options_for(cls: type[Drafter], spec: SpecConfig) -> Any:
+    """The drafter's own options from the spec (defaults for the rest), checked."""
+    given = dict(spec.options)
+    try:
+        options = cls.Options(**{item.name: given[item.name] for item in fields(cls.Options) if item.name in given})
+    except TypeError as error:
+        raise SpecDecodeError(f"bad options for {cls.name!r}: {error}") from None
+    for item in fields(options):
+        value = getattr(options, item.name)
+        kind = type(item.default)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                continue
+            raise SpecDecodeError(f"option {item.name} must be {kind.__name__}, got {value!r}")
+    options.check()
+    return options
+
+
+def member_key(cls: type[Drafter], spec: SpecConfig) -> tuple:
+    """What makes two members of two specs the same drafter: its name and its own options' values."""
+    options = options_for(cls, spec)
+    return (cls.name, tuple(getattr(options, item.name) for item in fields(options)))
+
+
+def create_member(cls: type[Drafter], spec: SpecConfig, resources: DrafterResources) -> Drafter:
+    return cls.create(resources, options_for(cls, spec))

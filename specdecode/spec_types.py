@@ -1,0 +1,129 @@
+"""The data one speculative step passes around: a request, a proposal, the target's output, the verdict.
+
+Data only: no model calls and no acceptance math. Shapes: N proposed nodes (a chain or a tree), V vocabulary,
+H hidden size, T rows of a target forward.
+
+Invariant every drafter relies on: `Sequence.tokens` holds the prompt and every committed token; the last one
+has not been through the target yet. A verify forward feeds that last token (the root, row 0) and the N
+proposed nodes (rows 1..N) in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.draft_length import DraftLength
+from specdecode.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Drafter
+    from specdecode.models.kv_cache import KVCache
+
+
+@dataclass(eq=False)  # identity equality: two requests with the same fields are still two requests
+class Sequence:
+    """One request's whole state between steps (what a scheduler holds instead of generator locals)."""
+
+    tokens: list[int]  # prompt + committed output
+    prompt_len: int
+    sampling: SamplingParams
+    spec: SpecConfig
+    generator: torch.Generator  # every random draw of this request, so a seed reproduces it
+    capacity: int  # the most tokens this sequence may ever hold (context limit or prompt + max_tokens)
+    cache: KVCache  # the target's KV cache, a prefix of `tokens` (all but the last)
+    drafter: Drafter  # shared by every request of the Engine; its per-request state is in `drafter_state`
+    draft_length: DraftLength
+    stats: GenerationStats
+    eos: frozenset[int]  # tokens that end the turn (empty with ignore_eos)
+    drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class DraftProposal:
+    """What a drafter proposes for one step: a chain or a tree of tokens to verify in one target forward.
+
+    Nodes are in topological order (a parent's index is below its children's), so the first n nodes of a
+    proposal are a proposal too. Siblings are tried in index order during verification.
+    """
+
+    tokens: torch.Tensor  # [N] long, N = 0 for nothing to propose
+    parents: torch.Tensor | None = None  # [N] long parent index, -1 = the last committed token; None = chain
+    # [N, V] float: the distribution each node was drawn from (siblings drawn independently, each from its
+    # row); None = deterministic drafts (argmax, top-k, lookups), verified against a one-hot q.
+    probs: torch.Tensor | None = None
+    source: str = ""  # the method that proposed it (a chain of methods reports its winning member)
+
+    @classmethod
+    def empty(cls, source: str = "") -> DraftProposal:
+        return cls(torch.empty(0, dtype=torch.long), None, None, source)
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, source: str = "") -> DraftProposal:
+        return cls(torch.tensor(tokens, dtype=torch.long), None, probs, source)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def parent_list(self) -> list[int]:
+        """Parent of each node on the host (-1 = root); a chain's node i hangs off node i-1."""
+        return list(range(-1, self.size - 1)) if self.parents is None else self.parents.tolist()
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward hands to verification and drafters, batch dimension removed.
+
+    `hidden` and `final_hidden` cover every row fed; `logits` covers the last rows asked for (all rows of a
+    verify forward, the last one of a prefill).
+    """
+
+    logits: torch.Tensor  # [T', V] float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # boundary id -> [T, H] (see DESIGN.md)
+    final_hidden: torch.Tensor | None = None  # [T, H] after the final norm (MTP reads it); None = not asked
+
+    def rows(self, index: list[int]) -> TargetOutput:
+        """The rows `index` (ascending) of every field (all fields must cover the same rows, as in a verify
+        forward). A chain's accepted rows are a prefix: views, no copy."""
+        at = slice(0, len(index)) if index[-1] == len(index) - 1 else torch.tensor(index, device=self.logits.device)
+        return TargetOutput(self.logits[at], {k: v[at] for k, v in self.hidden.items()},
+                            None if self.final_hidden is None else self.final_hidden[at])
+
+
+@dataclass
+class VerifyResult:
+    """The verdict on one proposal.
+
+    Terms (as in vLLM's rejection sampler): accepted tokens are the nodes on the path the target keeps;
+    `next_token` is the recovered token (the target's replacement after a rejection) or the bonus token (one
+    more from the target when the path ends at a node with no accepted child).
+    """
+
+    path: list[int]  # accepted node indices, root to leaf (a chain: 0, 1, ..., A-1)
+    tokens: list[int]  # what the step commits: the accepted nodes' tokens, then next_token
+    source: str = ""  # the proposal's source, so a chain's members know whose draft was verified
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def next_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def kept_rows(self) -> list[int]:
+        """Rows of the verify forward on the accepted path: the root, then each accepted node."""
+        return [0, *(node + 1 for node in self.path)]
