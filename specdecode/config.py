@@ -81,3 +81,7 @@ class SpecConfig:
     @property
     def methods(self) -> tuple[str, ...]:
         return tuple(m for m in self.method.split(",") if m)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """A drafter option's value as given here (`default` when it was not set)."""
+        return dict(self.options).get(name, default)

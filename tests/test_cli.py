@@ -97,7 +97,7 @@ def test_models_lists_defaults(capsys):
 def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
     import argparse
 
-    from specdecode.cli import draft_quant
+    from specdecode.cli.options import draft_quant
     from specdecode.models.quant import w4a8_linear
 
     def flags(**overrides):

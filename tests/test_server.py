@@ -23,7 +23,7 @@ from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.cli import main
 from specdecode.models.loader import load_model
 from specdecode.server.app import DrainingServer, ServerSettings, create_app
-from specdecode.server.serve_command import spec_from_vllm
+from specdecode.cli.serve import spec_from_vllm
 
 MODEL = "tiny-qwen2"
 SETTINGS = ServerSettings(model_name=MODEL, spec=SpecConfig("ngram,draft"))
@@ -355,7 +355,7 @@ def test_api_key_guards_v1_routes_but_not_health(engine):
 def test_spec_from_vllm_maps_methods_and_rejects_bad_config():
     base = SpecConfig("ngram,draft")
     spec, draft = spec_from_vllm('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}', base)
-    assert (spec.method, spec.num_draft_tokens, spec.ngram_max, draft) == ("ngram", 5, 3, None)
+    assert (spec.method, spec.num_draft_tokens, spec.option("ngram_max"), draft) == ("ngram", 5, 3, None)
     spec, draft = spec_from_vllm('{"method": "draft_model", "model": "x"}', base)
     assert (spec.method, spec.num_draft_tokens, draft) == ("draft", 3, "x")
     assert spec_from_vllm('{"model": "y"}', base) == (replace(base, method="draft"), "y")

@@ -60,6 +60,7 @@ class Drafter:
     Options: ClassVar[type] = NoOptions
     aliases: ClassVar[tuple[str, ...]] = ()  # other runtimes' method names for it (llama.cpp's --spec-type)
     vllm_method: ClassVar[str | None] = None  # vLLM's speculative_config "method" for it
+    tree_options: ClassVar[dict[str, Any]] = {}  # options that make it propose trees (when caps.emits_trees)
 
     @classmethod
     def create(cls, resources: DrafterResources, options: Any) -> Drafter:

@@ -48,6 +48,7 @@ class DraftModelDrafter(Drafter):
     caps = DrafterCaps(emits_probs=True, emits_trees=True, needs_draft_model=True)
     Options = DraftModelOptions
     vllm_method = "draft_model"
+    tree_options = {"draft_tree_nodes": 8, "draft_tree_width": 3}
 
     def __init__(self, draft: LoadedModel, target_vocab: int, options: DraftModelOptions):
         self.draft = draft

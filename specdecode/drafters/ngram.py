@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, option
+from specdecode.drafters.base import Drafter, DrafterCaps, option
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence
@@ -36,7 +36,9 @@ class NgramOptions:
 class NgramDrafter(Drafter):
     name = "ngram"
     Options = NgramOptions
+    caps = DrafterCaps(emits_trees=True)
     aliases = ("ngram-simple", "ngram-map-k")  # llama.cpp's --spec-type names
+    tree_options = {"ngram_branches": 3}
 
     def __init__(self, options: NgramOptions):
         self.options = options

@@ -80,6 +80,12 @@ def options_for(cls: type[Drafter], spec: SpecConfig) -> Any:
     return options
 
 
+def check_options(spec: SpecConfig) -> None:
+    """The method and its options' values checked without building anything (before models load)."""
+    for name in validate_method(spec):
+        options_for(DRAFTERS[name], spec)
+
+
 def member_key(cls: type[Drafter], spec: SpecConfig) -> tuple:
     """What makes two members of two specs the same drafter: its name and its own options' values."""
     options = options_for(cls, spec)

@@ -152,7 +152,7 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         if body.speculative is not None:
             overrides = {k: v for k, v in (("method", body.speculative.method),
                                            ("num_draft_tokens", body.speculative.num_draft_tokens)) if v is not None}
-            spec = replace(spec, **overrides)
+            spec = replace(spec, **overrides, options=dict(spec.options) | body.speculative.drafter_options())
             engine.check_spec(spec)
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)

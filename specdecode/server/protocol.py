@@ -4,19 +4,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from specdecode.drafters.registry import all_options
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SpeculativeOverride(BaseModel):
-    """Per-request speculation, overriding the server default (extra body field `speculative`)."""
-
-    model_config = ConfigDict(extra="forbid")
+class _SpeculativeBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
     method: str | None = None
     num_draft_tokens: int | None = None
+
+    def drafter_options(self) -> dict:
+        """The drafter options the request sets (the rest keep the server's)."""
+        return {name: value for name, value in self if name not in ("method", "num_draft_tokens") and value is not None}
+
+
+# Per-request speculation, overriding the server default (extra body field `speculative`): the method, the draft
+# length and every registered drafter's options, by our names.
+SpeculativeOverride = create_model(
+    "SpeculativeOverride", __base__=_SpeculativeBase,
+    **{name: (type(item.default) | None, Field(default=None, description=item.metadata["help"]))
+       for name, (_, item) in all_options().items()})
 
 
 class _GenerationRequest(BaseModel):

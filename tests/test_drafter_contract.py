@@ -1,0 +1,154 @@
+"""The drafter contract, run over every registered drafter (and its tree mode, and a chain of methods), so a
+new drafter is held to it the day it registers:
+
+- greedy output equals plain decoding token for token (fp32 target), drafts both accepted and rejected;
+- the same, bitwise, on a w4a8 target (its kernels are batch-invariant, so verifying cannot change a bit);
+- sampled output follows the target's distribution (end to end, chi-square at alpha = 1e-4);
+- after every step the target's KV cache holds exactly the committed tokens, with the values a fresh prefill
+  computes (so a tree's rollback kept the accepted path and nothing else);
+- one Engine serves interleaved requests: each output is what it is alone, each request's state goes at finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.drafters.registry import DRAFTERS
+from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+
+PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
+MAX_TOKENS = 32
+
+
+def configurations() -> list[tuple[str, dict]]:
+    """(method, options) for every registered drafter, its tree mode where it has one, and a chain of two."""
+    configs = []
+    for name, cls in DRAFTERS.items():
+        configs.append((name, {}))
+        if cls.caps.emits_trees:
+            configs.append((name, cls.tree_options))
+    configs.append(("ngram,draft", {**DRAFTERS["ngram"].tree_options, **DRAFTERS["draft"].tree_options}))
+    return configs
+
+
+CONFIGS = configurations()
+IDS = [f"{method}{'-tree' if options else ''}" for method, options in CONFIGS]
+
+
+def test_every_tree_capable_drafter_says_how_to_make_trees():
+    for name, cls in DRAFTERS.items():
+        assert bool(cls.tree_options) == cls.caps.emits_trees, name
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract")
+    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
+    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
+    return target, draft, root / "target"
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return Engine(pair[0], pair[1])
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_greedy_output_equals_plain_decoding(engine, method, options):
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = engine.complete(prompt, greedy(), SpecConfig("none")).token_ids
+        for k in (1, 4):
+            result = engine.complete(prompt, greedy(), SpecConfig(method, num_draft_tokens=k, options=options))
+            assert result.token_ids == plain, f"{method} {options} k={k} diverged on {prompt!r}"
+            drafted += result.stats.drafted_tokens
+            accepted += result.stats.accepted_tokens
+    if method != "none":  # the check only has teeth if drafts were both accepted and rejected
+        assert 0 < accepted < drafted
+
+
+@pytest.fixture(scope="module")
+def w4a8_engine(pair):
+    reason = w4a8_unavailable()
+    if reason is not None:
+        pytest.skip(f"w4a8 cannot run on this machine: {reason}")
+    return Engine(load_model(pair[2], dtype="bfloat16", quant="w4a8"), pair[1])
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_w4a8_target_output_is_bitwise_plain_decoding(w4a8_engine, method, options):
+    for prompt in PROMPTS[:2]:
+        plain = w4a8_engine.complete(prompt, greedy(), SpecConfig("none")).token_ids
+        result = w4a8_engine.complete(prompt, greedy(), SpecConfig(method, num_draft_tokens=4, options=options))
+        assert result.token_ids == plain, f"{method} {options} diverged on {prompt!r} in bf16 w4a8"
+
+
+@pytest.fixture(scope="module")
+def small_vocab_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract-vocab8")
+    target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), dtype="float32")
+    draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB), dtype="float32")
+    return Engine(target, draft)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_sampled_output_follows_the_target_distribution(small_vocab_engine, method, options):
+    params = SETTINGS["temperature"]
+    joint, third = exact_laws(small_vocab_engine.target.model, params)
+    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
+    spec = SpecConfig(method, num_draft_tokens=2, adaptive=False, options=options)
+    for seed in range(RUNS):
+        a, b, c = small_vocab_engine.complete(PROMPT, replace(params, seed=seed), spec).token_ids[:3]
+        pair_counts[a, b] += 1
+        third_counts[c] += 1
+    assert chi_square_passes(pair_counts, joint)
+    assert chi_square_passes(third_counts, third)
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_the_kv_cache_holds_exactly_the_committed_tokens(engine, method, options):
+    model = engine.target.model
+    seq = engine.start(engine.encode(PROMPTS[3]), greedy(), SpecConfig(method, num_draft_tokens=4, options=options))
+    try:
+        while seq.generated < MAX_TOKENS:
+            assert seq.cache.lengths == [len(seq.tokens) - 1]
+            engine.step(seq)
+        committed = len(seq.tokens) - 1
+        assert seq.cache.lengths == [committed]
+        fresh = model.new_cache(committed)
+        with torch.inference_mode():
+            model(torch.tensor([seq.tokens[:-1]]), torch.arange(committed).unsqueeze(0), fresh)
+        assert torch.equal(seq.cache.positions[0, :committed], torch.arange(committed))
+        for ours, reference in ((seq.cache.keys, fresh.keys), (seq.cache.values, fresh.values)):
+            assert torch.allclose(ours[:, :, :, :committed], reference, atol=1e-5)
+    finally:
+        engine.finish(seq)
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_one_engine_serves_interleaved_requests(engine, method, options):
+    spec = SpecConfig(method, num_draft_tokens=3, options=options)
+    alone = {p: engine.complete(p, greedy(), spec).token_ids for p in PROMPTS[:2]}
+    drafter = engine.drafter(spec)
+    assert engine.drafter(SpecConfig(method, num_draft_tokens=3, options=options)) is drafter  # created once
+    requests = [engine.start(engine.encode(p), greedy(), spec) for p in PROMPTS[:2]]
+    while any(seq.generated < MAX_TOKENS for seq in requests):
+        for seq in requests:
+            if seq.generated < MAX_TOKENS:
+                engine.step(seq)
+    for prompt, seq in zip(PROMPTS[:2], requests):
+        assert seq.tokens[seq.prompt_len:][:MAX_TOKENS] == alone[prompt]
+        engine.finish(seq)
+        assert not seq.drafter_state, "finish must drop the request's drafter state"
