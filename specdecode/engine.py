@@ -27,6 +27,9 @@ from specdecode.tree import ForwardInputs, proposal_depth, verify_inputs
 from specdecode.verify import verify
 
 Prompt = str | list[dict] | list[int]
+# Distinct speculative configurations one Engine keeps drafters for: a server's clients choose options per
+# request, and each distinct set would otherwise stay in memory for the Engine's life.
+MAX_DRAFTER_CONFIGS = 64
 
 
 @dataclass
@@ -63,6 +66,9 @@ class Engine:
         """The drafter for `spec`, created on first use and kept: weights and cross-request caches live once."""
         key = (spec.method, spec.options)
         if key not in self._drafters:
+            if len(self._drafters) >= MAX_DRAFTER_CONFIGS:
+                raise SpecDecodeError(f"this engine already serves {MAX_DRAFTER_CONFIGS} distinct speculative "
+                                      "configurations; use one of those")
             self._drafters[key] = build_drafter(spec, self.resources, self._members)
         return self._drafters[key]
 

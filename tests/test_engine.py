@@ -185,3 +185,15 @@ def test_draft_p_min_stops_unsure_drafts(engine, plain_outputs):
 def test_inference_mode_does_not_leak_between_events(engine):
     for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), SpecConfig("draft")):
         assert not torch.is_inference_mode_enabled()
+
+
+def test_drafters_are_created_once_and_their_number_is_bounded(pair, monkeypatch):
+    import specdecode.engine
+
+    engine = Engine(*pair)
+    assert engine.drafter(SpecConfig("ngram,draft")).members[1] is engine.drafter(SpecConfig("draft"))
+    monkeypatch.setattr(specdecode.engine, "MAX_DRAFTER_CONFIGS", 4)  # "none", "ngram,draft", "draft" so far
+    engine.check_spec(SpecConfig("ngram", ngram_max=2))
+    engine.check_spec(SpecConfig("draft"))  # known: no new drafter
+    with pytest.raises(SpecDecodeError, match="already serves 4 distinct speculative configurations"):
+        engine.check_spec(SpecConfig("ngram", ngram_max=3))
