@@ -154,3 +154,23 @@ def test_compact_after_a_tree_forward_equals_the_accepted_chain(model):
     fresh = model.new_cache(32)
     clean = forward(model, prompt + [10, 40, 50, 99, 98], 0, fresh).logits
     torch.testing.assert_close(after_compact, clean[:, -2:], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_a_mask_over_cached_tree_nodes_hides_the_other_branches(model):
+    """A drafter expanding a tree level by level feeds later levels while earlier ones sit in the cache: the
+    mask's leading columns cover those cached nodes, so each new node sees only its own ancestors."""
+    prompt = [5, 17, 42, 99, 3, 250]
+    start = len(prompt)
+    cache = model.new_cache(32)
+    forward(model, prompt, 0, cache)
+    # Level 1: siblings a1 and b1, both children of the prompt's last token.
+    model(torch.tensor([[10, 40]]), torch.tensor([[start, start]]), cache,
+          attn_mask=torch.tensor([[[True, False], [False, True]]]))
+    # Level 2: a2 under a1, b2 under b1; columns: a1, b1 (cached), a2, b2 (new).
+    mask = torch.tensor([[[True, False, True, False], [False, True, False, True]]])  # [1, 2, 4]
+    level2 = model(torch.tensor([[20, 50]]), torch.tensor([[start + 1, start + 1]]), cache, attn_mask=mask).logits
+
+    for row, branch in enumerate(([10, 20], [40, 50])):
+        alone = forward(model, prompt + branch, 0, model.new_cache(32)).logits[:, -1]  # [1, V]
+        torch.testing.assert_close(level2[:, row], alone, atol=1e-4, rtol=0)  # summed in another order
