@@ -64,7 +64,7 @@ class SpecConfig:
 
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), **named_options: Any):
-        from specdecode.drafters.registry import canonical_method, check_option_names  # registry imports this
+        from specdecode.drafters.registry import canonical_method, check_options_given  # registry imports this
 
         merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
         names = (m.strip() for m in method.split(","))
@@ -76,7 +76,7 @@ class SpecConfig:
             raise SpecDecodeError(
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
-        check_option_names(list(merged))
+        check_options_given(merged)
 
     @property
     def methods(self) -> tuple[str, ...]:

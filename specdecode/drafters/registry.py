@@ -39,11 +39,14 @@ def canonical_method(name: str) -> str:
     return name
 
 
-def check_option_names(names: list[str]) -> None:
+def check_options_given(given: dict[str, Any]) -> None:
+    """Every option names a registered drafter's option and has a value that drafter accepts."""
     known = all_options()
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in given if name not in known]
     if unknown:
         raise SpecDecodeError(f"unknown speculative option {unknown[0]!r}; options: {', '.join(sorted(known))}")
+    for cls in {known[name][0] for name in given}:
+        _build_options(cls, given)
 
 
 def validate_method(spec: SpecConfig) -> tuple[str, ...]:
@@ -64,17 +67,16 @@ def needs_draft_model(spec: SpecConfig) -> bool:
 
 def options_for(cls: type[Drafter], spec: SpecConfig) -> Any:
     """The drafter's own options from the spec (defaults for the rest), checked."""
-    given = dict(spec.options)
-    try:
-        options = cls.Options(**{item.name: given[item.name] for item in fields(cls.Options) if item.name in given})
-    except TypeError as error:
-        raise SpecDecodeError(f"bad options for {cls.name!r}: {error}") from None
+    return _build_options(cls, dict(spec.options))
+
+
+def _build_options(cls: type[Drafter], given: dict[str, Any]) -> Any:
+    options = cls.Options(**{item.name: given[item.name] for item in fields(cls.Options) if item.name in given})
     for item in fields(options):
-        value = getattr(options, item.name)
-        kind = type(item.default)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                continue
+        value, kind = getattr(options, item.name), type(item.default)
+        exact = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        widening = kind is float and isinstance(value, int) and not isinstance(value, bool)
+        if not (exact or widening):
             raise SpecDecodeError(f"option {item.name} must be {kind.__name__}, got {value!r}")
     options.check()
     return options
