@@ -60,7 +60,7 @@ static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, c
         scale_unit = vfrom_bf16(bs + g / 8 * 32 + lane0);
         offset_unit = vfrom_bf16(bs + g / 8 * 32 + 16 + lane0);
       }
-      // This part's rows are bytes 4 * lane0 on of each 64-byte run.
+      // Rows lane0 to lane0 + kLanes - 1 of the tile are bytes 4 * lane0 onwards of each 64-byte run.
       const uint8_t* block = w + g * 256 + 4 * lane0;
       VI codes[8];
       for (int p = 0; p < 4; ++p) {
