@@ -1,20 +1,27 @@
 """The fused w4a8 decoder layer (w4a8_layer.cpp): equal to the PyTorch layers within float32 rounding, and a
 token's logits bitwise the same whether it is decoded alone, verified in a chain, placed in a tree or batched
-next to a sequence of another length."""
+next to a sequence of another length; for each kernel variant this CPU runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import save_tiny_model
-
+from test_w4a8_linear import each_variant
 from torch import nn
 
 from specdecode.models.loader import load_model
+from specdecode.models.quant import w4a8_linear
 from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.rope import RopeTable, inverse_frequencies
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
+
+
+@pytest.fixture(autouse=True, params=each_variant())
+def variant(request, monkeypatch):
+    """Every w4a8 model of a test runs on this kernel variant."""
+    monkeypatch.setattr(w4a8_linear, "_kernel", w4a8_linear.load_variant(request.param))
 
 
 def w4a8_model(tmp_path, arch: str, dtype: str, **overrides):

@@ -1,5 +1,6 @@
-"""int4 x int8 (w4a8) layers: the kernel against a reference in PyTorch, bitwise batch invariance, and greedy
-identity of every method on a w4a8 target."""
+"""int4 x int8 (w4a8) layers: the kernel against a reference in PyTorch, each instruction-set variant against
+float64 and bitwise against the others, the variant a CPU gets, bitwise batch invariance, and greedy identity of
+every method on a w4a8 target."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.models.quant import quantized_model, w4a8_linear
 from specdecode.models.loader import load_model
 from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, minmax_groups
-from specdecode.models.quant.w4a8_linear import W4A8Linear
+from specdecode.models.quant.w4a8_linear import ISA_SETTING, VARIANTS, W4A8Linear
+
+
+def each_variant() -> list:
+    """One pytest param per kernel variant, skipped (with the flags it lacks) where this CPU cannot run it."""
+    flags = w4a8_linear._cpu_flags()
+    params = []
+    for name, (needed, _) in VARIANTS.items():
+        missing = [flag for flag in needed if flag not in flags]
+        params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(
+            bool(missing), reason=f"this CPU lacks {', '.join(missing)}, which the {name} kernel needs")))
+    return params
 
 
 def layer_and_weight(out_features: int, in_features: int, seed: int = 0) -> tuple[W4A8Linear, torch.Tensor]:
@@ -70,6 +82,77 @@ def test_kernel_equals_quantized_activations_times_its_weight(rows, shape):
     assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
     # Rounding activations to int8 costs little against the float activations: within 1% of the output scale.
     assert (layer(x) - x @ weight.t()).abs().max() < 0.01 * (x @ weight.t()).abs().max()
+
+
+def kernel_inputs(rows: int, layer: W4A8Linear, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 and its activations as the kernel rounds them, in float64: per group of 32 the same
+    float32 operations (scale max|x| / 127, codes round(x * (1 / scale))), then code * scale exactly."""
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(seed))  # [M, K]
+    x[0, :32] = 0  # a group of zeros: scale 0, codes 0
+    groups = x.reshape(rows, -1, 32)  # [M, G, 32]
+    scales = groups.abs().amax(-1, keepdim=True) / 127  # [M, G, 1] float32
+    inverse = torch.where(scales > 0, 1 / scales, 0)
+    codes = torch.round(groups * inverse).clamp(-127, 127)  # [M, G, 32]
+    return x, (codes.double() * scales.double()).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("isa", each_variant())
+def test_each_variant_equals_a_float64_reference(isa):
+    kernel = w4a8_linear.load_variant(isa)
+    layer, weight = layer_and_weight(96, 768, seed=4)  # 24 groups, 3 blocks of scale units
+    for rows in (1, 5, 8, 9):
+        x, activations = kernel_inputs(rows, layer, seed=rows)
+        expected = activations @ weight.double().t()  # [M, N]
+        ours = kernel.w4a8_mm(x, layer.codes, layer.group_scales, layer.block_scales).double()
+        # Integer sums are exact; float32 rounds each group's scaling and the running sum: a few ulps per group
+        # of the terms' sizes, far below what a wrong code, scale or row would cost.
+        bound = 2**-18 * (activations.abs() @ weight.double().abs().t())
+        assert ((ours - expected).abs() <= bound).all(), (isa, rows)
+        assert ours[0].abs().sum() > 0  # a row with a group of zeros still sums its other groups
+
+
+@pytest.mark.parametrize("first, second", [("avx512", "avx2"), ("avx512", "avx_vnni"), ("avx_vnni", "avx2")])
+def test_variants_give_the_same_bits(first, second):
+    flags = w4a8_linear._cpu_flags()
+    missing = [flag for flag in dict.fromkeys(VARIANTS[first][0] + VARIANTS[second][0]) if flag not in flags]
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}, so it cannot run both {first} and {second}")
+    layer, _ = layer_and_weight(96, 768, seed=5)
+    x = torch.randn(19, 768, generator=torch.Generator().manual_seed(6))  # [M, K]
+    for rows in (x[:1], x[:4], x):
+        first_out, second_out = (w4a8_linear.load_variant(isa).w4a8_mm(rows, layer.codes, layer.group_scales,
+                                                                       layer.block_scales) for isa in (first, second))
+        assert torch.equal(first_out, second_out)
+
+
+def test_the_variant_follows_the_cpu_flags_and_the_setting(monkeypatch):
+    monkeypatch.delenv(ISA_SETTING, raising=False)
+    zen3 = {"avx", "avx2", "fma", "f16c"}
+    avx512 = zen3 | {"avx512f", "avx512bw", "avx512_vnni"}
+    for flags, expected in ((avx512, "avx512"), (avx512 - {"avx512_vnni"}, "avx2"), (zen3 | {"avx_vnni"}, "avx_vnni"),
+                            (zen3, "avx2"), (zen3 - {"fma"}, None), (set(), None)):
+        monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda flags=flags: flags)
+        assert w4a8_linear.kernel_isa() == expected, flags
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: avx512)
+    monkeypatch.setenv(ISA_SETTING, "avx2")
+    assert w4a8_linear.kernel_isa() == "avx2"
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: zen3)
+    monkeypatch.setenv(ISA_SETTING, "avx512")
+    with pytest.raises(SpecDecodeError, match="SPECDECODE_W4A8_ISA=avx512: this CPU lacks avx512f, avx512bw, "
+                                              "avx512_vnni; unset it"):
+        w4a8_linear.kernel_isa()
+    monkeypatch.setenv(ISA_SETTING, "avx3")
+    with pytest.raises(SpecDecodeError, match="avx3: not a w4a8 kernel variant; use one of avx512, avx_vnni, avx2"):
+        w4a8_linear.kernel_isa()
+
+
+def test_forcing_a_variant_this_cpu_cannot_run_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
+    monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "avx2", "fma"})
+    monkeypatch.setenv(ISA_SETTING, "avx512")
+    with pytest.raises(SpecDecodeError, match="SPECDECODE_W4A8_ISA=avx512: this CPU lacks avx512f"):
+        load_model(folder, dtype="float32", quant="w4a8")
 
 
 def test_each_row_gets_the_same_bits_alone_or_in_any_batch():
@@ -143,11 +226,13 @@ def test_layers_the_kernel_cannot_tile_fall_back_to_int8(tmp_path):
             assert module.out_features % 16 or module.weight.shape[1] % 32
 
 
-def test_clear_errors_for_group_size_and_cpus_without_vnni(tmp_path, monkeypatch):
+def test_clear_errors_for_group_size_and_cpus_without_avx2(tmp_path, monkeypatch):
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     with pytest.raises(SpecDecodeError, match="w4a8 uses groups of 32"):
         load_model(folder, dtype="float32", quant="w4a8", group_size=64)
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx2", "f16c"})
-    with pytest.raises(SpecDecodeError, match="lacks avx512f, avx512bw, avx512_vnni; use --quant int4"):
+    monkeypatch.delenv(ISA_SETTING, raising=False)
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
+    with pytest.raises(SpecDecodeError, match=r"needs a CPU with avx2, fma \(or avx512f, avx512bw, avx512_vnni\); "
+                                              "this one lacks avx2, fma; use --quant int4"):
         load_model(folder, dtype="float32", quant="w4a8")

@@ -1,9 +1,11 @@
-// int4 weights x int8 activations for small batches of rows on AVX-512 VNNI (see w4a8_linear.py for the why).
+// int4 weights x int8 activations for small batches of rows on AVX-512 VNNI, or AVX2 (see w4a8_linear.py for the
+// why, and w4a8_simd.h for what differs between the two: the vector width and the integer dot product).
 //
 // Weight layout, per tile of 16 output rows and group of 32 inputs (g), and block of 8 groups (256 inputs):
 //   codes         [N/16, K/32, 256] uint8: four runs of 64 bytes; byte 4n+b of run p holds the 4-bit code of
 //                 (row n, input 4p+b) in its low nibble and of (row n, input 16+4p+b) in its high nibble, so
-//                 one 64-byte load and a mask give 16 rows x 4 inputs, the operand shape of vpdpbusd;
+//                 one 64-byte load and a mask give 16 rows x 4 inputs, the operand shape of vpdpbusd (on AVX2,
+//                 bytes 0-31 and 32-63 of a run give rows 0-7 and 8-15, the same shape for vpmaddubsw);
 //   group_scales  [N/16, K/32, 32] uint8: the 16 rows' scale codes (uint8), then their offset codes (int8);
 //   block_scales  [N/16, ceil(K/256), 32] bfloat16: the 16 rows' scale multipliers, then offset multipliers.
 // w = code * (scale code * scale multiplier) + offset code * offset multiplier: 4.625 bits per weight, as
@@ -12,8 +14,8 @@
 // output is then d * (scale * sum(code * a) + offset * sum(a)), with the integer sum exact.
 // Each row is quantized on its own and reduced in the same order whatever M is, so results are batch-invariant.
 #include "w4a8_kernel.h"
+#include "w4a8_simd.h"
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -22,71 +24,71 @@
 // Rounding is to nearest even (cvtps_epi32 under the default rounding mode), as torch.round does.
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
   const int64_t G = K / 32;
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  const __m512i lowest = _mm512_set1_epi32(-127), highest = _mm512_set1_epi32(127);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const float* v = x + m * K + g * 32;
-      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
+      F16 halves[2] = {load16(v), load16(v + 16)};
+      const float amax = reduce_max(max16(abs16(halves[0]), abs16(halves[1])));
       const float scale = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      const __m512i qa = _mm512_min_epi32(highest, _mm512_max_epi32(lowest, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-      const __m512i qb = _mm512_min_epi32(highest, _mm512_max_epi32(lowest, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
-      _mm_storeu_si128((__m128i*)(q + m * K + g * 32), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128((__m128i*)(q + m * K + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
+      const V inv = vset1(scale > 0.f ? 1.f / scale : 0.f);
+      int32_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kParts; ++i) {
+          const VI codes = vclamp(vround_int(vmul(halves[h].part[i], inv)), -127, 127);
+          vstore_int8(q + m * K + g * 32 + 16 * h + kLanes * i, codes);
+          sum += vsum_int(codes);
+        }
+      }
       d[m * G + g] = scale;
-      dsum[m * G + g] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      dsum[m * G + g] = scale * (float)sum;
     }
   }
 }
 
-// 16 bfloat16 values as float32.
-static inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// MB rows (at most 8) against one tile of 16 output rows: 2*MB accumulators plus 8 code registers fit the
-// 32 vector registers.
+// MB rows (at most kRowsPerPass) against one tile of 16 output rows, kLanes of the tile's rows at a time. Each
+// output is summed over the groups in order whatever the variant, so the variants' floats are the same.
 template <int MB>
 static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q, const float* d,
                       const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   const int64_t G = K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  __m512 scale_unit = _mm512_setzero_ps(), offset_unit = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    if (g % 8 == 0) {
-      scale_unit = bf16x16(bs + g / 8 * 32);
-      offset_unit = bf16x16(bs + g / 8 * 32 + 16);
-    }
-    const uint8_t* block = w + g * 256;
-    __m512i codes[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(block + 64 * p);
-      codes[p] = _mm512_and_si512(v, low4);
-      codes[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
-    const __m128i scale_codes = _mm_loadu_si128((const __m128i*)(gs + g * 32));
-    const __m128i offset_codes = _mm_loadu_si128((const __m128i*)(gs + g * 32 + 16));
-    const __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_codes)), scale_unit);
-    const __m512 zv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(offset_codes)), offset_unit);
-    for (int i = 0; i < MB; ++i) {
-      const int32_t* a = (const int32_t*)(q + i * K + g * 32);
-      // Two accumulators halve the chain of dependent vpdpbusd (latency-bound at one row otherwise).
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {
-        even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(a[j]));
-        odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(a[j + 1]));
+  for (int lane0 = 0; lane0 < 16; lane0 += kLanes) {
+    V acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = vset1(0.f);
+    V scale_unit = acc[0], offset_unit = acc[0];
+    for (int64_t g = 0; g < G; ++g) {
+      if (g % 8 == 0) {
+        scale_unit = vfrom_bf16(bs + g / 8 * 32 + lane0);
+        offset_unit = vfrom_bf16(bs + g / 8 * 32 + 16 + lane0);
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(d[i * G + g])), acc[i]);
-      acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(dsum[i * G + g]), acc[i]);
+      // Rows lane0 to lane0 + kLanes - 1 of the tile are bytes 4 * lane0 onwards of each 64-byte run.
+      const uint8_t* block = w + g * 256 + 4 * lane0;
+      VI codes[8];
+      for (int p = 0; p < 4; ++p) {
+        const VI v = vload_codes(block + 64 * p);
+        codes[p] = vlow_nibbles(v);
+        codes[p + 4] = vhigh_nibbles(v);
+      }
+      const V sv = vmul(vfrom_u8(gs + g * 32 + lane0), scale_unit);
+      const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + lane0), offset_unit);
+      for (int i = 0; i < MB; ++i) {
+        const V dot = vfloat(vdot32(codes, q + i * K + g * 32));
+        acc[i] = vfmadd(dot, vmul(sv, vset1(d[i * G + g])), acc[i]);
+        acc[i] = vfmadd(zv, vset1(dsum[i * G + g]), acc[i]);
+      }
     }
+    for (int i = 0; i < MB; ++i) vstore(out + i * N + lane0, bias ? vadd(acc[i], vload(bias + lane0)) : acc[i]);
   }
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * N, bias ? _mm512_add_ps(acc[i], b) : acc[i]);
+}
+
+// tile_rows<rows> for a rows in [1, MB] known at run time.
+template <int MB>
+static void tile_rows_up_to(int rows, const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
+                            const float* d, const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
+  if (rows == MB) {
+    tile_rows<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
+  } else if constexpr (MB > 1) {
+    tile_rows_up_to<MB - 1>(rows, w, gs, bs, q, d, dsum, K, N, bias, out);
+  }
 }
 
 W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,
@@ -108,7 +110,7 @@ W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::T
   return weight;
 }
 
-// Threads split the tiles; rows go 8 at a time so that a tile's unpacked codes stay in registers for all 8.
+// Threads split the tiles; rows go kRowsPerPass at a time so that a tile's unpacked codes stay in registers.
 void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) {
   const int64_t K = weight.in_features(), N = weight.out_features(), T = N / 16, G = K / 32;
   std::vector<int8_t> q(M * K);
@@ -120,8 +122,8 @@ void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) 
   const float* bias = weight.bias.defined() ? weight.bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int rows = (int)std::min<int64_t>(8, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+        const int rows = (int)std::min<int64_t>(kRowsPerPass, M - m0);
         const uint8_t* wt = wp + t * G * 256;
         const uint8_t* gt = gp + t * G * 32;
         const uint16_t* bt16 = bp + t * ((G + 7) / 8) * 32;
@@ -130,16 +132,7 @@ void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) 
         const float* dsm = dsum.data() + m0 * G;
         const float* bt = bias ? bias + t * 16 : nullptr;
         float* om = out + m0 * N + t * 16;
-        switch (rows) {
-          case 1: tile_rows<1>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 2: tile_rows<2>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 3: tile_rows<3>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 4: tile_rows<4>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 5: tile_rows<5>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 6: tile_rows<6>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          case 7: tile_rows<7>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-          default: tile_rows<8>(wt, gt, bt16, qm, dm, dsm, K, N, bt, om); break;
-        }
+        tile_rows_up_to<kRowsPerPass>(rows, wt, gt, bt16, qm, dm, dsm, K, N, bt, om);
       }
     }
   });

@@ -5,59 +5,31 @@
 // are batch-invariant (w4a8_kernel.cpp), norms and dot products reduce each row in a fixed order, and
 // attention sums a row's visible slots in ascending slot order, skipping the rest. So a token's bits depend
 // only on the slots it sees, not on how many tokens, sequences or masked slots share the forward.
-// Built with -ffp-contract=off so that no a*b+c is fused differently in different places.
+// Built with -ffp-contract=off so that no a*b+c is fused differently in different places. Written on
+// w4a8_simd.h's vectors, so the same algorithm (and order of every sum) is compiled for each instruction set.
 #include "w4a8_kernel.h"
+#include "w4a8_simd.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-// e^x per lane (Cephes' single-precision polynomial, about 1 ulp); no lane depends on another.
-__m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln 2, in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 cache elements as float32, and back (bfloat16 rounds to nearest even, as torch does, in integer ops so
-// that CPUs with VNNI but without AVX512_BF16 run it too).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+// 16 cache elements as float32, and back (w4a8_simd.h rounds bfloat16 as torch does).
+inline F16 load_cache(const float* p) { return load16(p); }
+inline F16 load_cache(const c10::BFloat16* p) { return load16((const uint16_t*)p); }
+inline void store_cache(float* p, F16 v) { store16(p, v); }
+inline void store_cache(c10::BFloat16* p, F16 v) { store16((uint16_t*)p, v); }
 
 // out [R, n] = x / rms(x) * weight per row of n (n a multiple of 16); out may be x.
 void rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* v = x + r * n;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) squares = _mm512_fmadd_ps(_mm512_loadu_ps(v + i), _mm512_loadu_ps(v + i), squares);
-    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / (float)n + eps));
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(v + i), inv);
-      _mm512_storeu_ps(out + r * n + i, _mm512_mul_ps(scaled, _mm512_loadu_ps(weight + i)));
-    }
+    F16 squares = set16(0.f);
+    for (int64_t i = 0; i < n; i += 16) squares = fmadd16(load16(v + i), load16(v + i), squares);
+    const F16 inv = set16(1.f / std::sqrt(reduce_add(squares) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) store16(out + r * n + i, load16(v + i) * inv * load16(weight + i));
   }
 }
 
@@ -72,21 +44,20 @@ void rotate(float* v, const float* cos, const float* sin, int64_t half) {
 
 // act [R, I] = silu(gate) * up from gate_up [R, 2I] (I a multiple of 16).
 void silu_times_up(const float* gate_up, int64_t rows, int64_t inter, float* act) {
-  const __m512 one = _mm512_set1_ps(1.f);
+  const F16 zero = set16(0.f), one = set16(1.f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = gate_up + r * 2 * inter;
     for (int64_t i = 0; i < inter; i += 16) {
-      const __m512 g = _mm512_loadu_ps(gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_storeu_ps(act + r * inter + i, _mm512_mul_ps(silu, _mm512_loadu_ps(gate + inter + i)));
+      const F16 g = load16(gate + i);
+      store16(act + r * inter + i, g / (one + exp16(zero - g)) * load16(gate + inter + i));
     }
   }
 }
 
 float dot(const float* a, const float* b, int64_t n) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
-  return _mm512_reduce_add_ps(sum);
+  F16 sum = set16(0.f);
+  for (int64_t i = 0; i < n; i += 16) sum = fmadd16(load16(a + i), load16(b + i), sum);
+  return reduce_add(sum);
 }
 
 }  // namespace
@@ -195,8 +166,8 @@ class W4A8DecoderLayer {
         const int64_t at = ((b * kv_heads_ + g) * capacity + slot) * dim_;
         const float* k = qkv + r * width + (heads_ + g) * dim_;
         for (int64_t d = 0; d < dim_; d += 16) {
-          store16(keys + at + d, _mm512_loadu_ps(k + d));
-          store16(values + at + d, _mm512_loadu_ps(k + kv_heads_ * dim_ + d));
+          store_cache(keys + at + d, load16(k + d));
+          store_cache(values + at + d, load16(k + kv_heads_ * dim_ + d));
         }
       }
     }
@@ -221,7 +192,7 @@ class W4A8DecoderLayer {
         const auto gather = [&](const C* base) {
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t d = 0; d < dim_; d += 16) {
-              _mm512_storeu_ps(seen_rows.data() + i * dim_ + d, load16(base + slots[i] * dim_ + d));
+              store16(seen_rows.data() + i * dim_ + d, load_cache(base + slots[i] * dim_ + d));
             }
           }
         };
@@ -237,11 +208,8 @@ class W4A8DecoderLayer {
           float* p = probs.data() + h * padded;
           float top = p[0];
           for (int64_t i = 1; i < n; ++i) top = std::max(top, p[i]);
-          for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, p + i), _mm512_set1_ps(top)));
-            _mm512_mask_storeu_ps(p + i, lanes, e);
-          }
+          // Whole vectors: a row of probs is padded to 16, and what lands past n is never read.
+          for (int64_t i = 0; i < n; i += 16) store16(p + i, exp16(load16(p + i) - set16(top)));
           totals[h] = 0.f;
           for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
         }
@@ -254,32 +222,29 @@ class W4A8DecoderLayer {
     });
   }
 
-  // target [D] = inv * sum over i of p[i] * rows[i] [n, D], summed in row order, up to 128 columns at a time
-  // in registers (so the sums never go through memory).
+  // target [D] = inv * sum over i of p[i] * rows[i] [n, D], summed in row order, up to 8 registers of columns
+  // at a time (so the sums never go through memory).
   static void weighted_rows(const float* p, const float* rows, int64_t n, int64_t dim, float inv, float* target) {
-    for (int64_t column = 0; column < dim; column += 128) {
-      switch (std::min<int64_t>(8, (dim - column) / 16)) {
-        case 1: weighted_columns<1>(p, rows + column, n, dim, inv, target + column); break;
-        case 2: weighted_columns<2>(p, rows + column, n, dim, inv, target + column); break;
-        case 3: weighted_columns<3>(p, rows + column, n, dim, inv, target + column); break;
-        case 4: weighted_columns<4>(p, rows + column, n, dim, inv, target + column); break;
-        case 5: weighted_columns<5>(p, rows + column, n, dim, inv, target + column); break;
-        case 6: weighted_columns<6>(p, rows + column, n, dim, inv, target + column); break;
-        case 7: weighted_columns<7>(p, rows + column, n, dim, inv, target + column); break;
-        default: weighted_columns<8>(p, rows + column, n, dim, inv, target + column); break;
-      }
+    for (int64_t column = 0; column < dim; column += 8 * kLanes) {
+      weighted_columns_up_to<8>((int)std::min<int64_t>(8, (dim - column) / kLanes), p, rows + column, n, dim, inv,
+                                target + column);
     }
   }
 
-  template <int CHUNKS>  // 16 columns each, one accumulator register per chunk
-  static void weighted_columns(const float* p, const float* rows, int64_t n, int64_t dim, float inv, float* target) {
-    __m512 sums[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) sums[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512 weight = _mm512_set1_ps(p[i]);
-      for (int c = 0; c < CHUNKS; ++c) sums[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + i * dim + 16 * c), sums[c]);
+  template <int CHUNKS>  // kLanes columns each, one accumulator register per chunk; CHUNKS known at run time
+  static void weighted_columns_up_to(int chunks, const float* p, const float* rows, int64_t n, int64_t dim, float inv,
+                                     float* target) {
+    if (chunks < CHUNKS) {
+      if constexpr (CHUNKS > 1) weighted_columns_up_to<CHUNKS - 1>(chunks, p, rows, n, dim, inv, target);
+      return;
     }
-    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(target + 16 * c, _mm512_mul_ps(sums[c], _mm512_set1_ps(inv)));
+    V sums[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) sums[c] = vset1(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const V weight = vset1(p[i]);
+      for (int c = 0; c < CHUNKS; ++c) sums[c] = vfmadd(weight, vload(rows + i * dim + kLanes * c), sums[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) vstore(target + kLanes * c, vmul(sums[c], vset1(inv)));
   }
 
   torch::Tensor attn_norm_, mlp_norm_, q_norm_, k_norm_;  // float32 weights; q/k norms undefined unless Qwen3
@@ -290,11 +255,12 @@ class W4A8DecoderLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  py::class_<W4A8Weight>(m, "Weight");
+  // Module-local: each instruction-set variant is its own extension with its own copy of these classes.
+  py::class_<W4A8Weight>(m, "Weight", py::module_local());
   m.def("weight", &make_weight, py::arg("codes"), py::arg("group_scales"), py::arg("block_scales"),
         py::arg("bias") = py::none());
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
-  py::class_<W4A8DecoderLayer>(m, "DecoderLayer")
+  py::class_<W4A8DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
       .def("forward", &W4A8DecoderLayer::forward, py::call_guard<py::gil_scoped_release>());

@@ -1,11 +1,11 @@
-"""int4 weights x int8 activations on AVX-512 VNNI: a CPU linear layer whose cost stays nearly flat in the
+"""int4 weights x int8 activations on AVX-512 VNNI or AVX2: a CPU linear layer whose cost stays nearly flat in the
 number of rows, so verifying several drafted tokens costs little more than decoding one.
 
 PyTorch's int4 CPU kernel dequantizes every weight to float again for every row, so a forward of 8 tokens
 costs 3x one of a single token (docs/benchmarks/README.md), which is what makes speculation barely pay on an
 int4 target. Here activations are quantized to int8 per group of 32 inputs (as llama.cpp quantizes its
-activations), integer dot products (vpdpbusd) consume the 4-bit codes directly, and a block of codes is
-unpacked once for up to 8 rows.
+activations), integer dot products (vpdpbusd, or vpmaddubsw on AVX2) consume the 4-bit codes directly, and a
+block of codes is unpacked once for several rows.
 
 Weights take 4.625 bits each: 4-bit codes, and per group of 32 an 8-bit scale code and an 8-bit offset code,
 each times a bfloat16 multiplier per row and 256 inputs (llama.cpp's Q4_K has the same structure with 6-bit
@@ -15,12 +15,17 @@ This is a different model from `--quant int4`: activations are rounded too. It i
 batch of rows, though: each row is quantized on its own and summed in the same order whatever the number of
 rows, so a token's output does not depend on how many tokens share the forward (tested bit for bit).
 
-The kernel (w4a8_kernel.cpp, and w4a8_layer.cpp's fused decoder layer) is compiled at first use by
-torch.utils.cpp_extension (g++ and ninja) into torch's extensions folder, about 35 s once per machine.
+The kernel (w4a8_kernel.cpp, and w4a8_layer.cpp's fused decoder layer) is written once on w4a8_simd.h's vectors
+and compiled per instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI, or AVX2 and FMA, the best this CPU has (or
+the one SPECDECODE_W4A8_ISA names). Each variant is its own extension, compiled at first use by
+torch.utils.cpp_extension (g++ and ninja) into torch's extensions folder, about 35 s once per machine and variant.
+The weight layout is the same for all, so one cached quantized model serves every CPU, and the matmul gives the
+same floats on all (integer sums are exact, and the float scaling is the same per lane).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,20 +38,29 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.quant.quantized_linear import rows_in_multiples
 
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
-_TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums
+_TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
 _BLOCK_GROUPS = 8  # groups per bfloat16 multiplier of the 8-bit scale and offset codes (256 inputs, as Q4_K)
-_NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+ISA_SETTING = "SPECDECODE_W4A8_ISA"  # environment variable forcing a variant, e.g. to test AVX2 on AVX-512
+# The kernel's variants, best first: name -> (the CPU flags it needs, the g++ flags it is compiled with).
+# -march=native is not used, so a variant's build does not depend on which CPU compiled it.
+VARIANTS = {
+    "avx512": (("avx512f", "avx512bw", "avx512_vnni"), ("-mavx512f", "-mavx512bw", "-mavx512vnni")),
+    "avx_vnni": (("avx2", "fma", "avx_vnni"), ("-mavx2", "-mfma", "-mavxvnni")),
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+}
 
 
 def w4a8_fits(out_features: int, in_features: int) -> bool:
     return out_features % _TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
 
 
-_kernel = None  # the compiled extension, once loaded: every forward needs it, so it is found in one lookup
+_kernel = None  # the chosen variant's extension, once loaded: every forward needs it, so it is found in one lookup
+_variants: dict = {}  # name -> extension, for every variant loaded in this process
 
 
 def load_kernel(quiet: bool = True):
-    """The compiled extension, built on first use; one clear error where this CPU or machine cannot."""
+    """The compiled extension for this CPU (kernel_isa()), built on first use; one clear error where this CPU
+    or machine cannot."""
     reason = w4a8_unavailable(quiet)
     if reason is not None:
         raise SpecDecodeError(f"--quant w4a8: {reason}; use --quant int4")
@@ -55,28 +69,59 @@ def load_kernel(quiet: bool = True):
 
 def w4a8_unavailable(quiet: bool = True) -> str | None:
     """Why w4a8 cannot run here (the CPU or the compiler), or None once the kernel is loaded (compiled if
-    needed)."""
+    needed). A SPECDECODE_W4A8_ISA this CPU cannot run is not a reason to fall back but a SpecDecodeError."""
     global _kernel
     if _kernel is not None:
         return None
-    flags = _cpu_flags()
-    missing = [flag for flag in _NEEDED_CPU_FLAGS if flag not in flags]
-    if missing:
-        return f"it needs a CPU with {', '.join(_NEEDED_CPU_FLAGS)}; this one lacks {', '.join(missing)}"
-    from torch.utils.cpp_extension import load
-
-    if not quiet:
-        print("loading the w4a8 kernel (compiled once per machine, about 35 s)", file=sys.stderr, flush=True)
+    isa = kernel_isa()
+    if isa is None:
+        missing = [flag for flag in VARIANTS["avx2"][0] if flag not in _cpu_flags()]
+        return (f"it needs a CPU with {', '.join(VARIANTS['avx2'][0])} (or {', '.join(VARIANTS['avx512'][0])}); "
+                f"this one lacks {', '.join(missing)}")
     try:
-        sources = [str(Path(__file__).with_name(name)) for name in ("w4a8_kernel.cpp", "w4a8_layer.cpp")]
-        _kernel = load(name="specdecode_w4a8", sources=sources, extra_ldflags=["-fopenmp"], verbose=False,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+        _kernel = load_variant(isa, quiet)
     except (RuntimeError, OSError, ImportError) as error:
         return f"could not compile its kernel (it needs g++ and ninja): {str(error).splitlines()[0]}"
     return None
 
 
+def kernel_isa() -> str | None:
+    """The variant for this CPU: the one SPECDECODE_W4A8_ISA names (a SpecDecodeError if it is not a variant or
+    this CPU lacks a flag it needs), else the first of VARIANTS whose flags this CPU has; None if none."""
+    flags = _cpu_flags()
+    forced = os.environ.get(ISA_SETTING, "")
+    if not forced:
+        return next((name for name, (needed, _) in VARIANTS.items() if set(needed) <= flags), None)
+    if forced not in VARIANTS:
+        raise SpecDecodeError(f"{ISA_SETTING}={forced}: not a w4a8 kernel variant; use one of {', '.join(VARIANTS)}")
+    missing = [flag for flag in VARIANTS[forced][0] if flag not in flags]
+    if missing:
+        raise SpecDecodeError(f"{ISA_SETTING}={forced}: this CPU lacks {', '.join(missing)}; unset it to use the "
+                              f"best variant this CPU runs")
+    return forced
+
+
+def load_variant(isa: str, quiet: bool = True):
+    """One variant's extension (a name of VARIANTS), compiled on first use; whether this CPU runs it is the
+    caller's business (tests load every variant the CPU runs, to compare them)."""
+    if isa not in _variants:
+        from torch.utils.cpp_extension import load
+
+        if not quiet:
+            print(f"loading the w4a8 kernel for {isa} (compiled once per machine, about 35 s)", file=sys.stderr,
+                  flush=True)
+        sources = [str(Path(__file__).with_name(name)) for name in ("w4a8_kernel.cpp", "w4a8_layer.cpp")]
+        # Hidden symbols: two variants loaded in one process must not call into each other's functions.
+        cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *VARIANTS[isa][1]]
+        _variants[isa] = load(name=f"specdecode_w4a8_{isa}", sources=sources, extra_cflags=cflags,
+                              extra_ldflags=["-fopenmp"], verbose=False)
+    return _variants[isa]
+
+
 def _cpu_flags() -> set[str]:
+    """The CPU's feature flags, from /proc/cpuinfo on Linux. Elsewhere (macOS, or a Linux without /proc) none
+    are found yet, so w4a8 reports itself unavailable; reading them there (sysctl) is not done yet, and ARM needs
+    its own kernel."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
