@@ -107,7 +107,7 @@ def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
     assert draft_quant(flags(group_size=64)) == "int4"
     assert draft_quant(flags(device="cuda")) == "none"
     assert draft_quant(flags(draft_quant="int8")) == "int8"
-    monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process on a CPU without VNNI
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx2", "f16c"})
+    monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process on a CPU without AVX2
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
     assert draft_quant(flags(), quiet=False) == "int4"
     assert "draft in int4, not w4a8: it needs a CPU with" in capsys.readouterr().err

@@ -23,8 +23,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--quant", default="none", help="target weights: none, int8 (per channel), int4 (group-wise) or "
-                       "w4a8 (int4 weights with int8 activations, flat cost in tokens per forward; AVX-512 VNNI "
-                       "CPUs, compiled at first use); greedy identity holds against the target as loaded, "
+                       "w4a8 (int4 weights with int8 activations on our kernel: x86 CPUs with AVX2 and FMA, "
+                       "AVX-512 VNNI where present; compiled at first use); greedy identity holds against the target as loaded, "
                        "quantization included")
     group.add_argument("--draft-quant", default="auto",
                        help="draft weights: auto (on CPU w4a8 where it runs, else int4; none elsewhere), none, int8, "
@@ -81,7 +81,8 @@ def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = 
 def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
     """'auto': the cheapest draft the device has kernels for, since a draft's precision never changes the output
     (on the default pair, an int4 draft keeps its acceptance and costs 40% of a bf16 one, and a w4a8 draft is
-    cheaper still: docs/benchmarks). w4a8 where this CPU has AVX-512 VNNI and the kernel compiles, else int4."""
+    cheaper still: docs/benchmarks). w4a8 where this CPU runs our kernel (AVX2 + FMA at least) and it compiles,
+    else int4."""
     if args.draft_quant != "auto":
         return args.draft_quant
     if args.device != "cpu":
