@@ -10,10 +10,9 @@ drawn from q or deterministic (top-k, duplicates included), and must fail for a 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from test_verify_distribution import SETTINGS, _chi_square
 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
@@ -22,16 +21,9 @@ from specdecode.spec_types import DraftProposal, VerifyResult
 from specdecode.tree import ancestor_mask, check_parents, children_of, depths, tree_from_paths, verify_inputs
 from specdecode.verify import verify
 
-V = 6
+V = 6  # as test_verify_distribution's SETTINGS and chi-square (alpha = 1e-4, small cells pooled) assume
 BOS = 0
 TRIALS = 20_000
-Z_ALPHA = 3.7190  # standard normal upper quantile for alpha = 1e-4
-SETTINGS = {
-    "temperature": SamplingParams(temperature=0.9),
-    "top_k": SamplingParams(temperature=1.0, top_k=3),
-    "top_p": SamplingParams(temperature=1.2, top_p=0.85),
-    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
-}
 # Two levels: nodes 0-2 hang off the root, then two children under each (nodes 3-8).
 PARENTS = [-1, -1, -1, 0, 0, 1, 1, 2, 2]
 
@@ -139,21 +131,6 @@ def _emit(step, params: SamplingParams, mode: str, trials: int = TRIALS, seed: i
     emitted[later, 1] = sample(p_table[1, emitted[later, 0]], g)  # a later step's first token
     joint = p_table[0, BOS].double()[:, None] * p_table[1].double()  # [V, V] p(y1) p(y2 | y1)
     return emitted, joint
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    counts = counts.double()
-    expected = probs.double() * counts.sum()
-    if counts[expected == 0].sum() > 0:
-        return math.inf, 0.0  # a token of probability 0 was emitted
-    big = expected >= 5  # pool the small cells, as the chi-square approximation needs
-    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    wanted = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    keep = wanted > 0
-    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
-    df = int(keep.sum()) - 1
-    c = 2 / (9 * df)
-    return statistic, df * (1 - c + Z_ALPHA * math.sqrt(c)) ** 3  # Wilson-Hilferty
 
 
 def _assert_matches(emitted: torch.Tensor, joint: torch.Tensor) -> None:

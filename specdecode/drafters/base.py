@@ -13,7 +13,7 @@ probabilities or trees, whether its proposals have a fixed block size, whether i
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -85,11 +85,3 @@ class Drafter:
     def max_nodes(self, budget: int) -> int:
         """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""
         return budget
-
-
-def option_fields(cls: type[Drafter]) -> list:
-    return list(fields(cls.Options))
-
-
-def option_default(item) -> Any:
-    return None if item.default is MISSING else item.default
