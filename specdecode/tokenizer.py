@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from specdecode.errors import SpecDecodeError
 from specdecode.models.model_config import ModelConfig
 
@@ -23,19 +25,27 @@ class Tokenizer:
 
         try:
             hf = AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
             raise SpecDecodeError(f"{folder}: could not load the tokenizer ({error})") from None
+        vocab = hf.get_vocab()
+        if not set(vocab.values()) - set(hf.all_special_ids):
+            # From a folder without tokenizer files transformers builds one that knows only special tokens (and
+            # encodes every text to nothing) rather than failing.
+            raise SpecDecodeError(f"{folder} has no tokenizer: it needs tokenizer.json (or tokenizer.model, or "
+                                  "vocab.json with merges.txt) from the model's repository")
         eos = set(config.eos_token_ids)
         generation = folder / "generation_config.json"
         if generation.is_file():
             try:
-                listed = json.loads(generation.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, AttributeError) as error:
+                listed = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError) as error:
                 raise SpecDecodeError(f"{generation} is not a valid generation config ({error})") from None
-            eos.update(listed if isinstance(listed, list) else [listed] if listed is not None else [])
+            listed = listed if isinstance(listed, list) else [listed] if listed is not None else []
+            if not all(type(t) is int for t in listed):
+                raise SpecDecodeError(f"{generation}: eos_token_id must be an integer or a list of them")
+            eos.update(listed)
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
-        vocab = hf.get_vocab()
         eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         return cls(hf, frozenset(eos))
 
@@ -44,13 +54,24 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the prompt", "prompt")
         return self.hf.encode(text, add_special_tokens=True)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Messages [{"role", "content"}] -> prompt ids ending where the assistant's reply begins."""
         if not self.has_chat_template:
-            raise SpecDecodeError("this model has no chat template; pass raw text instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            raise SpecDecodeError("this model has no chat template; pass raw text instead", "messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise SpecDecodeError(f"message {index} must be a dict with a string 'role'", "messages")
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"message {index}'s {key}", f"messages.{index}.{key}")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except (TemplateError, TypeError, KeyError, ValueError) as error:
+            # Templates reject what they cannot render (a role out of turn) by raising from the template itself.
+            raise SpecDecodeError(f"the chat template cannot render these messages ({error})", "messages") from None
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -59,6 +80,18 @@ class Tokenizer:
     def token_strings(self) -> list[str]:
         """Every id's token string, for checking that two models share a vocabulary."""
         return self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+
+
+def check_text(text: str, what: str, param: str | None = None) -> None:
+    """Text the tokenizer can take, or one clear error. A lone UTF-16 surrogate (\\ud800-\\udfff) is a str
+    but not Unicode text: invalid UTF-8 bytes read with Python's surrogateescape, or a JSON escape without its
+    pair. The tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise SpecDecodeError(f"{what} is not valid Unicode text: {text[error.start]!r} at character "
+                              f"{error.start} is a lone surrogate (bytes that are not UTF-8, or half of a "
+                              "\\ud800-\\udfff pair)", param) from None
 
 
 class IncrementalDetokenizer:
