@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -65,7 +65,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="log-probabilities of each token and of the N most likely alternatives")
 
