@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from jinja2 import TemplateError
+from tokenizers import decoders
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.model_config import ModelConfig
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # Turn and text terminators that instruct models emit; any of them present in the vocabulary ends generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
@@ -18,6 +30,10 @@ class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: frozenset[int]):
         self.hf = hf_tokenizer
         self.eos_token_ids = eos_token_ids
+        decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = isinstance(decoder, decoders.ByteLevel)  # GPT-2 style: one character per byte
+        self._special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self._bytes: dict[int, bytes] = {}  # token id -> its bytes, filled as logprobs ask
 
     @classmethod
     def from_folder(cls, folder: Path, config: ModelConfig) -> Tokenizer:
@@ -76,6 +92,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (for logprobs): part of a character for some byte-level tokens, a
+        special token's own text, nothing for padded embedding rows the tokenizer does not know."""
+        if token_id not in self._bytes:
+            self._bytes[token_id] = self._piece_bytes(token_id)
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        """Tokens decode() leaves out of the text (end of turn and the like)."""
+        return token_id in self._special_ids
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return b""
+        if token_id in self.hf.added_tokens_decoder:  # added and special tokens are stored as their text
+            return piece.encode("utf-8")
+        if self._byte_level and all(ch in _BYTE_OF_CHAR for ch in piece):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        if _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's byte fallback: <0xE4>
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece marks a leading space with U+2581
 
     def token_strings(self) -> list[str]:
         """Every id's token string, for checking that two models share a vocabulary."""
