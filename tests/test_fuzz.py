@@ -27,7 +27,7 @@ from test_server import MODEL, SETTINGS, RunningServer
 from specdecode import Engine, SamplingParams, SpecDecodeError
 from specdecode.cli import main
 from specdecode.models.loader import load_model
-from specdecode.server.app import create_app
+from specdecode.server.app import ServerSettings, create_app
 
 EXAMPLES = int(os.environ.get("SPECDECODE_FUZZ_EXAMPLES", "25"))
 BOUNDED = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 25, database=None,
@@ -45,8 +45,8 @@ def folders(tmp_path_factory):
 def fuzzed_server(folders):
     # A short context bounds how long any generated request runs; a short timeout bounds any hang.
     engine = Engine(*(load_model(f, dtype="float32") for f in folders), SETTINGS.spec, context_limit=64)
-    server = RunningServer(create_app(engine, SETTINGS.__class__(MODEL, SETTINGS.spec, default_max_tokens=8,
-                                                                 request_timeout=30.0, max_queued=256)))
+    settings = ServerSettings(MODEL, SETTINGS.spec, default_max_tokens=8, request_timeout=30.0)
+    server = RunningServer(create_app(engine, settings))
     yield server
     server.stop()
 
@@ -54,7 +54,8 @@ def fuzzed_server(folders):
 @pytest.fixture(scope="module")
 def published_schema(fuzzed_server):
     schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{fuzzed_server.port}/openapi.json")
-    schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES)
+    schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES,
+                                    deterministic=EXAMPLES <= 25)
     return schema
 
 

@@ -292,7 +292,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt.str"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "speculative": {"method": "telepathy"}}, 400, None),

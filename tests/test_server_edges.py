@@ -49,8 +49,8 @@ BAD_BODIES = [  # (path, raw body, param or None, a word of the message)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}', "logprobs",
      "boolean"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
-     "messages.0.content.list[ContentPart].0.text", "string"),
-    ("/v1/completions", b'{"prompt": [1, 2.5]}', "prompt.list[int].1", "integer"),
+     "messages.0.content.0.text", "string"),
+    ("/v1/completions", b'{"prompt": [1, 2.5]}', "prompt.1", "integer"),
     ("/v1/completions", b"[1, 2, 3]", None, "object"),
 ]
 

@@ -139,8 +139,14 @@ async def read_body(request: Request, schema, limit: int):
         # A value that fits no member of a union fails once per member: the deepest failure is the telling one
         # (a list item of the wrong type, rather than "not a string").
         deepest = max(errors, key=lambda e: len(e["loc"]))
-        param = ".".join(str(p) for p in deepest["loc"]) or None
+        param = ".".join(str(p) for p in deepest["loc"] if not _union_member(p)) or None
         raise APIError(400, f"{param}: {deepest['msg']}" if param else deepest["msg"], param=param) from None
+
+
+def _union_member(part) -> bool:
+    """pydantic names the member of a union a value failed in its error location ('str', 'list[int]',
+    'constrained-str'); a request field path (OpenAI's `param`) has field names and indices only."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
 def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
