@@ -9,6 +9,7 @@ SPECDECODE_FUZZ_EXAMPLES scales every property (default 25 examples each; the lo
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -108,7 +109,9 @@ def generate_argv(draw, target: str) -> list[str]:
     return argv
 
 
-def test_command_line_exits_0_or_with_one_error_line(folders, capsys):
+def test_command_line_exits_0_or_with_one_error_line(folders, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("a prompt on stdin"))  # for the prompt "-"
+
     @BOUNDED
     @given(argv=generate_argv(str(folders[0])))
     def property(argv):
