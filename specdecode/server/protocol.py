@@ -1,4 +1,5 @@
-"""The HTTP boundary: OpenAI request shapes (validated by pydantic) and the OpenAI error body."""
+"""The HTTP boundary: OpenAI request shapes (validated by pydantic, published in /openapi.json) and the OpenAI error
+body."""
 
 from __future__ import annotations
 
