@@ -8,11 +8,23 @@
         print(event.text, end="", flush=True)
 """
 
-from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine import Engine, GenerationEvent, GenerationResult
-from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import LoadedModel, load_model
+from importlib import import_module
 
-__all__ = ["Engine", "GenerationEvent", "GenerationResult", "LoadedModel", "SamplingParams", "SpecConfig",
-           "SpecDecodeError", "load_model"]
+_EXPORTS = {
+    "Engine": "specdecode.engine", "GenerationEvent": "specdecode.engine", "GenerationResult": "specdecode.engine",
+    "LoadedModel": "specdecode.models.loader", "load_model": "specdecode.models.loader",
+    "SamplingParams": "specdecode.config", "SpecConfig": "specdecode.config", "SpecDecodeError": "specdecode.errors",
+    "TokenLogprob": "specdecode.logprobs",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The public names, imported on first use (PEP 562): `import specdecode.cli` then imports no torch, so
+    the command line is inside its Ctrl-C handler before the slow imports begin."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specdecode' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

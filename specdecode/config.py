@@ -10,6 +10,7 @@ from typing import Any
 from specdecode.errors import SpecDecodeError
 
 MAX_DRAFT_TOKENS = 64
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's cap
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
 # greedy anyway (every other token's probability underflows to zero).
 GREEDY_BELOW = 1e-5
@@ -25,8 +26,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None = off; N = each emitted token's log-probability under the target plus its N most likely
+    # alternatives (0 to MAX_LOGPROBS), as OpenAI's logprobs / top_logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        self._check_types()
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SpecDecodeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -39,10 +46,28 @@ class SamplingParams:
             raise SpecDecodeError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise SpecDecodeError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SpecDecodeError(f"logprobs must be between 0 and {MAX_LOGPROBS} (None = off), got {self.logprobs}")
+
+    def _check_types(self) -> None:
+        """Wrong types fail here with the field's name, not deep in the sampler with a TypeError."""
+        expected = {"temperature": "number", "top_p": "number", "min_p": "number", "top_k": "int",
+                    "max_tokens": "int", "seed": "int or None", "logprobs": "int or None", "ignore_eos": "bool"}
+        for name, kind in expected.items():
+            value = getattr(self, name)
+            if kind == "bool":
+                fits = isinstance(value, bool)
+            elif value is None:
+                fits = kind.endswith("or None")
+            else:
+                allowed = (int, float) if kind == "number" else int
+                fits = isinstance(value, allowed) and not isinstance(value, bool)
+            if not fits:
+                raise SpecDecodeError(f"{name} must be {'an' if kind.startswith('int') else 'a'} {kind}, got {value!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise SpecDecodeError(f"stop must be a string or a list of strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +91,9 @@ class SpecConfig:
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), **named_options: Any):
         from specdecode.drafters.registry import canonical_method, check_options_given  # registry imports this
 
+        if not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool):
+            raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int) and adaptive "
+                                  f"(bool), got {method!r}, {num_draft_tokens!r}, {adaptive!r}")
         merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
         names = (m.strip() for m in method.split(","))
         object.__setattr__(self, "method", ",".join(canonical_method(m) for m in names if m))

@@ -19,6 +19,7 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.draft_length import DraftLength
 from specdecode.drafters import Drafter, DrafterResources, build_drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.models.loader import LoadedModel
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.stats import GenerationStats
@@ -38,6 +39,7 @@ class GenerationEvent:
     text: str  # text that became safe to show since the previous event
     finish_reason: str | None = None  # "stop" (end of turn or stop string) or "length" (max tokens / context)
     stats: GenerationStats | None = None  # on the last event only
+    logprobs: list[TokenLogprob] | None = None  # one per id of token_ids, when sampling.logprobs asks
 
 
 @dataclass
@@ -46,6 +48,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per id of token_ids, when sampling.logprobs asks
 
 
 class Engine:
@@ -56,7 +59,10 @@ class Engine:
         self.spec = spec or SpecConfig()
         # The draft indexes its own rope table too, so the shorter of the two contexts bounds a request.
         model_limit = min(m.config.max_position_embeddings for m in (target, draft) if m is not None)
-        self.context_limit = min(context_limit or model_limit, model_limit)
+        if context_limit is not None and (type(context_limit) is not int or context_limit < 1):
+            raise SpecDecodeError(f"the context limit must be a positive number of tokens (None: the model's "
+                                  f"{model_limit}), got {context_limit!r}")
+        self.context_limit = model_limit if context_limit is None else min(context_limit, model_limit)
         self.resources = DrafterResources(target, draft, self.context_limit)
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
@@ -79,19 +85,30 @@ class Engine:
     def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Text goes through the chat template when the model has one (unless raw); ids pass through."""
         tokenizer = self.target.tokenizer
+        param = "prompt"
         if isinstance(prompt, str):
             use_chat = tokenizer.has_chat_template and not raw
             ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if use_chat else tokenizer.encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
-            ids = tokenizer.encode_chat(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            ids, param = tokenizer.encode_chat(list(prompt)), "messages"
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+            if not all(type(t) is int for t in ids):
+                raise SpecDecodeError("prompt token ids must be integers", param)
+        else:
+            raise SpecDecodeError(f"a prompt is text, a list of chat messages or a list of token ids, not "
+                                  f"{type(prompt).__name__}", param)
+        vocab_size = self.target.config.vocab_size
+        # Caught here: in the model an id out of range fails on CPU and is a device assert on CUDA. From text,
+        # only a tokenizer that belongs to another model makes one.
+        if not all(0 <= t < vocab_size for t in ids):
+            raise SpecDecodeError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary)", param)
         if not ids:
-            raise SpecDecodeError("the prompt is empty")
+            raise SpecDecodeError("the prompt is empty", param)
         if len(ids) >= self.context_limit:
             raise SpecDecodeError(
-                f"the prompt has {len(ids)} tokens, which leaves no room in the context of {self.context_limit}"
-            )
+                f"the prompt has {len(ids)} tokens, which leaves no room in the context of {self.context_limit}",
+                param)
         return ids
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
@@ -111,22 +128,25 @@ class Engine:
                     new_ids, finish = new_ids[: detokenizer.consumed], "stop"
                 if finish is not None:
                     break
-                yield GenerationEvent(new_ids, text)
+                yield GenerationEvent(new_ids, text, logprobs=self._newest_logprobs(seq, new_ids))
                 new_ids = self.step(seq)
             seq.stats.new_tokens = seq.generated
             seq.stats.total_seconds = perf_counter() - started
-            yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, seq.stats)
+            yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, seq.stats,
+                                  self._newest_logprobs(seq, new_ids))
         finally:
             self.finish(seq)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
                  raw: bool = False) -> GenerationResult:
         """Run generate() to the end and collect the result."""
-        text, ids = [], []
+        text, ids, logprobs = [], [], []
         for event in self.generate(prompt, sampling, spec, raw):
             text.append(event.text)
             ids.extend(event.token_ids)
-        return GenerationResult("".join(text), ids, event.finish_reason, event.stats)
+            logprobs.extend(event.logprobs or ())
+        asked = event.logprobs is not None
+        return GenerationResult("".join(text), ids, event.finish_reason, event.stats, logprobs if asked else None)
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig) -> Sequence:
@@ -146,7 +166,9 @@ class Engine:
         prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
                               torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
         prefill = self._forward(seq, prompt, logits_at=slice(-1, None))
-        seq.tokens.append(verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token)
+        first = verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token
+        seq.tokens.append(first)
+        self._record_logprobs(seq, prefill.logits, [first])
         drafter.start(seq, prefill)
         seq.stats.prefill_seconds = perf_counter() - began
         return seq
@@ -164,7 +186,9 @@ class Engine:
         result = verify(proposal, out.logits, seq.sampling, seq.generator)
         seq.cache.keep(start, result.kept_rows)
         seq.tokens.extend(result.tokens)
-        seq.drafter.commit(seq, result, out.rows(result.kept_rows))
+        accepted_path = out.rows(result.kept_rows)
+        seq.drafter.commit(seq, result, accepted_path)
+        self._record_logprobs(seq, accepted_path.logits, result.tokens)
         depth = proposal_depth(proposal)
         seq.draft_length.update(depth, result.num_accepted)
         seq.stats.record_step(proposal.source, proposal.size, depth, result.num_accepted, len(result.tokens))
@@ -183,6 +207,19 @@ class Engine:
                                 hidden_layers=caps.hidden_layers, logits_at=logits_at, final_hidden=caps.final_hidden)
         final = None if out.final_hidden is None else out.final_hidden[0]  # [T, H]
         return TargetOutput(out.logits[0], {k: v[0] for k, v in out.hidden.items()}, final)
+
+    @staticmethod
+    def _record_logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Only when the request asks: row i of logits [len(tokens), V] is the distribution tokens[i] came from."""
+        if seq.sampling.logprobs is not None:
+            seq.logprobs.extend(token_logprobs(logits, tokens, seq.sampling.logprobs))
+
+    @staticmethod
+    def _newest_logprobs(seq: Sequence, new_ids: list[int]) -> list[TokenLogprob] | None:
+        """The log-probabilities of `new_ids`, the newest generated tokens (after any end-of-turn or stop cut)."""
+        if seq.sampling.logprobs is None:
+            return None
+        return seq.logprobs[seq.generated - len(new_ids) : seq.generated]
 
     @staticmethod
     def _finish_reason(seq: Sequence, new_ids: list[int]) -> tuple[list[int], str | None]:

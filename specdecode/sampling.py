@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,6 +38,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # reaching top_p, and the first token (mass_before 0) always stays.
         mass_before = F.pad(sorted_probs.cumsum(dim=-1)[..., :-1], (1, 0))  # [..., V]
         drop_sorted = mass_before >= params.top_p  # [..., V]
+        # A top_p that rounds to 0 in float32 (5e-324, 1e-50) would drop every token, and softmax over nothing
+        # is NaN: the most likely token always stays, as the definition (the smallest prefix) implies.
+        drop_sorted[..., 0] = False
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V] back in vocab order
         logits = logits.masked_fill(drop, float("-inf"))
     if params.min_p > 0.0:
@@ -50,5 +54,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [..., V] (need not sum to 1) -> ids [...] long. Same generator state, same ids."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]; multinomial takes at most 2-D
-    ids = torch.multinomial(flat, num_samples=1, generator=generator)  # [R, 1]
+    try:
+        ids = torch.multinomial(flat, num_samples=1, generator=generator)  # [R, 1]
+    except RuntimeError as error:
+        # Our transforms never produce such a row from finite logits, so the model's output was NaN or inf:
+        # corrupt weights or an overflowing dtype, not a bug of the request.
+        raise SpecDecodeError(f"cannot sample: the model's probabilities hold NaN, inf or negative values "
+                              f"({error}); its weights may be corrupt, or try --dtype float32") from None
     return ids.reshape(probs.shape[:-1])  # [...]

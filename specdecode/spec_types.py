@@ -17,6 +17,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.draft_length import DraftLength
+from specdecode.logprobs import TokenLogprob
 from specdecode.stats import GenerationStats
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class Sequence:
     stats: GenerationStats
     eos: frozenset[int]  # tokens that end the turn (empty with ignore_eos)
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
+    # One per generated token when sampling.logprobs asks for them (logprobs.py), else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def generated(self) -> int:

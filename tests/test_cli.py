@@ -111,3 +111,105 @@ def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
     monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
     assert draft_quant(flags(), quiet=False) == "int4"
     assert "draft in int4, not w4a8: it needs a CPU with" in capsys.readouterr().err
+
+
+def assert_one_error_line(code: int, err: str, message: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert err.count("\n") == 1, err
+
+
+def broken_copy(folder: str, tmp_path, edit) -> str:
+    import shutil
+    from pathlib import Path
+
+    copy = tmp_path / "broken"
+    shutil.copytree(folder, copy)
+    edit(Path(copy))
+    return str(copy)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate"], "the following arguments are required: prompt"),
+    (["generate", "x", "--max-tokens", "many"], "invalid int value: 'many'"),
+    (["telepathy"], "invalid choice: 'telepathy'"),
+    (["generate", "a\udcffb"], "command-line argument 2 is not UTF-8 text"),
+    (["generate", "x", "--stop", "\udcfe"], "command-line argument 4 is not UTF-8 text"),
+    (["generate", "x", "--device", "tpu"], "unknown device 'tpu'"),
+    (["generate", "x", "--context", "0"], "--context must be >= 1"),
+])
+def test_parser_and_early_checks_answer_in_one_line(models, capsys, monkeypatch, argv, message):
+    from specdecode.models import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    code, _, err = run(capsys, *argv, *(["--model", models[0]] if len(argv) > 1 else []))
+    assert_one_error_line(code, err, message)
+
+
+def test_invalid_utf8_on_stdin_is_one_line(models, capsys, monkeypatch):
+    import io
+
+    # What `printf '\xff\xfe bad' | specdecode generate -` reads: Python maps the bad bytes to lone surrogates.
+    monkeypatch.setattr("sys.stdin", io.StringIO(b"\xff\xfe bad".decode("utf-8", "surrogateescape")))
+    code, _, err = run(capsys, "generate", "-", "--model", models[0], "--dtype", "float32")
+    assert_one_error_line(code, err, "the prompt on standard input is not valid Unicode text")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda f: (f / "config.json").write_text(
+        (f / "config.json").read_text().replace('"intermediate_size": 128', '"intermediate_size": 96')),
+     "config.json does not belong to these weights"),
+    (lambda f: [(f / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")],
+     "has no tokenizer"),
+])
+def test_broken_model_folders_are_one_line(models, capsys, tmp_path, edit, message):
+    folder = broken_copy(models[0], tmp_path, edit)
+    code, _, err = run(capsys, "generate", "hi", "--model", folder, "--dtype", "float32")
+    assert_one_error_line(code, err, message)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--max-active", "0"], "--max-active must be >= 1"), (["--request-timeout", "nan"], "--request-timeout must"),
+    (["--log-level", "loud"], "unknown --log-level 'loud'"), (["--public-routes", "admin"], "unknown route group"),
+    (["--port", "70000"], "--port must be between 0 and 65535"), (["--spec-type", "telepathy"], "unknown speculative"),
+])
+def test_serve_checks_its_flags_before_loading(models, capsys, monkeypatch, extra, message):
+    from specdecode.models import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    code, _, err = run(capsys, "serve", "--model", models[0], "--port", "0", *extra)
+    assert_one_error_line(code, err, message)
+
+
+def test_port_in_use_fails_before_loading_the_models(models, capsys, monkeypatch):
+    import socket
+
+    from specdecode.models import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model loaded before the port check"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, _, err = run(capsys, "serve", "--model", models[0], "--port", str(taken.getsockname()[1]))
+    assert_one_error_line(code, err, "cannot listen on 127.0.0.1:")
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
+def test_ctrl_c_during_start_up_prints_no_traceback(models, delay):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    # What the installed `specdecode` script runs; the imports of torch and the models take over a second.
+    script = "import sys; from specdecode.cli.main import main; sys.exit(main())"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    process = subprocess.Popen([sys.executable, "-c", script, "generate", "hi", "--model", models[0], "--max-tokens",
+                                "2000", "--ignore-eos", "--quiet"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, env=env, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err.strip() == "interrupted", err

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import logits_to_probs, sample
 
 
@@ -128,3 +129,18 @@ def test_sample_never_draws_zero_probability_and_follows_probs() -> None:
     # 20k draws: the standard error of each frequency is <= 0.0035, so 0.015 is over 4 sigma.
     assert (freq - probs.double()).abs().max() < 0.015
     assert int(sample(torch.tensor([0.0, 0.0, 1.0]), None)) == 2  # None: the global generator
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-50, 1e-46])
+def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token(top_p: float) -> None:
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(4))  # [R, V]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))  # [R, V]
+    torch.testing.assert_close(probs, logits_to_probs(logits, SamplingParams(temperature=0.0)))
+    assert torch.equal(sample(probs, torch.Generator().manual_seed(0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_sampling_a_broken_distribution_is_one_clear_error(bad: float) -> None:
+    probs = torch.tensor([0.2, bad, 0.3])  # [V], as NaN or inf logits from corrupt weights would give
+    with pytest.raises(SpecDecodeError, match="NaN, inf or negative"):
+        sample(probs, torch.Generator().manual_seed(0))

@@ -292,7 +292,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model"),
-    ("/v1/completions", {"prompt": ""}, 400, None),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "speculative": {"method": "telepathy"}}, 400, None),
@@ -371,7 +371,7 @@ def test_serve_command_maps_llama_cpp_spec_type(models, monkeypatch):
     configs = []
     monkeypatch.setattr(DrainingServer, "run", lambda server, sockets=None: configs.append(server.config))
     target_folder = str(models[0].folder)
-    assert main(["serve", "--model", target_folder, "--spec-type", "ngram-simple", "--dtype", "float32",
+    assert main(["serve", "--model", target_folder, "--spec-type", "ngram-simple", "--dtype", "float32", "--port", "0",
                  "--served-model-name", "m", "--num-draft-tokens", "5"]) == 0
     (config,) = configs
     engine = config.app.state.scheduler.engine

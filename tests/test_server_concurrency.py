@@ -104,18 +104,21 @@ def test_two_long_streams_interleave_step_by_step(served):
     assert sum(t > first[0] for t in second) > len(second) // 2
 
 
-def test_full_queue_answers_429_with_retry_after_and_admitted_requests_complete(engine):
-    with running(create_app(engine, replace(SETTINGS, max_active=1, max_queued=1))) as server:
-        gate = threading.Barrier(8)
+@pytest.mark.parametrize("max_active, max_queued", [(1, 1), (2, 1), (1, 3)])
+def test_a_burst_fills_active_and_queued_places_exactly_then_429_with_retry_after(engine, max_active, max_queued):
+    # The worker takes queued jobs into active slots only when it next polls: admission must count both.
+    with running(create_app(engine, replace(SETTINGS, max_active=max_active, max_queued=max_queued))) as server:
+        burst = max_active + max_queued + 3
+        gate = threading.Barrier(burst)
 
         def send(_):
             gate.wait()
             return server.request("POST", "/v1/completions", LONG)
 
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            answers = list(pool.map(send, range(8)))
+        with ThreadPoolExecutor(max_workers=burst) as pool:
+            answers = list(pool.map(send, range(burst)))
         statuses = [status for status, _, _ in answers]
-        assert statuses.count(429) >= 1 and statuses.count(200) >= 1 and set(statuses) == {200, 429}
+        assert statuses.count(200) == max_active + max_queued and statuses.count(429) == 3
         for status, headers, raw in answers:
             if status == 429:
                 assert headers["retry-after"] == "1"

@@ -13,6 +13,7 @@ from specdecode.drafters import needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
+from specdecode.tokenizer import check_text
 
 
 def add_parser(commands) -> None:
@@ -30,10 +31,14 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    except UnicodeDecodeError as error:
-        raise SpecDecodeError(f"the prompt on standard input is not UTF-8 text ({error})") from None
+    if args.prompt == "-":
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as error:  # a strict stdin; the usual one maps bad bytes to surrogates
+            raise SpecDecodeError(f"the prompt on standard input is not UTF-8 text ({error})") from None
+        check_text(prompt, "the prompt on standard input")
+    else:
+        prompt = args.prompt
     sampling = sampling_from_args(args)
     draft_name = default_draft_name(args)
     spec = spec_from_args(args, has_draft=draft_name is not None)

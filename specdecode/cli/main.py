@@ -1,5 +1,7 @@
 """`specdecode generate | serve | bench | models`: the parser and the dispatch. A user error ends in one line
-and exit code 2. Each subcommand lives in its own module and adds its own parser; none imports another."""
+and exit code 2, Ctrl-C in "interrupted" and 130, never a traceback. Each subcommand lives in its own module and
+adds its own parser; none imports another. This module imports nothing heavy at the top, so that Ctrl-C during
+the imports of torch and the models (the first second or two) is answered like any other."""
 
 from __future__ import annotations
 
@@ -7,28 +9,48 @@ import argparse
 import logging
 import sys
 
-from specdecode.cli import bench, generate, models, serve
 from specdecode.errors import SpecDecodeError
 
-SUBCOMMANDS = (generate, serve, bench, models)
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's mistakes as one `error:` line and exit code 2, like ours (subcommands inherit the class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    from specdecode.cli import bench, generate, models, serve
+
+    parser = OneLineParser(prog="specdecode", description="Lossless speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS:
+    for module in (generate, serve, bench, models):
         module.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def run(argv: list[str]) -> int:
+    for index, arg in enumerate(argv, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
+            print(f"error: command-line argument {index} is not UTF-8 text: {arg!r}", file=sys.stderr)
+            return 2
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help (0) or a parser error (2), already printed
+        return exit_request.code if isinstance(exit_request.code, int) else 0
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
         return args.run(args)
     except SpecDecodeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130

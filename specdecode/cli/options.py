@@ -11,6 +11,7 @@ import sys
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, all_options
+from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -63,6 +64,15 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
 
 
+def check_model_args(args: argparse.Namespace) -> None:
+    """Flags that would fail only after minutes of loading fail now, in one line."""
+    from specdecode.models.loader import check_device
+
+    if args.context is not None and args.context < 1:
+        raise SpecDecodeError(f"--context must be >= 1 (leave it out for the model's limit), got {args.context}")
+    check_device(args.device)
+
+
 def default_draft_name(args: argparse.Namespace) -> str | None:
     """--draft-model, or the default draft when the target is the default one too."""
     return args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
@@ -72,6 +82,7 @@ def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = 
     """The target and (when named) the draft, each with its own dtype and quantization flags."""
     from specdecode.models.loader import load_model
 
+    check_model_args(args)
     target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
     draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet, draft_quant(args, quiet),
                         args.group_size) if draft_name else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from dataclasses import replace
 
@@ -13,6 +14,9 @@ from specdecode.drafters import needs_draft_model
 from specdecode.drafters.registry import DRAFTERS, all_options, check_options
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
+from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
+
+MAX_SECONDS = 1e7  # about four months; asyncio's timers overflow on far larger values
 
 
 def spec_from_vllm(config_json: str, base: SpecConfig) -> tuple[SpecConfig, str | None]:
@@ -57,7 +61,11 @@ def add_parser(commands) -> None:
     serve.add_argument("--allow-draft-override", action="store_true",
                        help="load the draft model even when the default method does not use it, so requests "
                        "can ask for it")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but --public-routes")
+    serve.add_argument("--public-routes", default=",".join(DEFAULT_PUBLIC_ROUTES),
+                       help=f"with --api-key: route groups that answer without the key, comma-separated, from "
+                       f"{', '.join(ROUTE_GROUPS)}, or none (default {','.join(DEFAULT_PUBLIC_ROUTES)}: the key "
+                       "guards /v1, as in vLLM; keep /metrics from the network or name it out of this list)")
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-active", type=int, default=8, help="requests generated concurrently (interleaved)")
     serve.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those; then 429")
@@ -74,22 +82,68 @@ def run(args: argparse.Namespace) -> int:
 
     from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
+    public_routes = check_serve_args(args)
     draft_name = default_draft_name(args)
     spec = spec_from_args(args, has_draft=draft_name is not None)
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         draft_name = named_draft or draft_name
-    needs_draft = needs_draft_model(spec) or args.allow_draft_override
-    target, draft = load_models(args, draft_name if needs_draft else None)
-    engine = Engine(target, draft, spec, context_limit=args.context)
-    settings = ServerSettings(
-        model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
-        default_max_tokens=args.max_tokens, max_active=args.max_active, max_queued=args.max_queued,
-        request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        shutdown_grace=args.shutdown_grace)
-    print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
-    DrainingServer(config).run()
+    check_options(spec)
+    listening = listening_socket(args.host, args.port)  # before minutes of loading, not after
+    with listening:
+        needs_draft = needs_draft_model(spec) or args.allow_draft_override
+        target, draft = load_models(args, draft_name if needs_draft else None)
+        engine = Engine(target, draft, spec, context_limit=args.context)
+        settings = ServerSettings(
+            model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
+            public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,
+            max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
+            shutdown_grace=args.shutdown_grace)
+        port = listening.getsockname()[1]
+        print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}) on "
+              f"http://{args.host}:{port}/v1", file=sys.stderr)
+        config = uvicorn.Config(create_app(engine, settings), host=args.host, port=port, log_level=args.log_level,
+                                timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
+        DrainingServer(config).run(sockets=[listening])
     return 0
+
+
+def check_serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The server's own flags checked before any model loads; -> the public route groups."""
+    from uvicorn.config import LOG_LEVELS
+
+    for name in ("max_tokens", "max_active", "max_queued", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.request_timeout <= MAX_SECONDS:  # NaN fails both comparisons
+        raise SpecDecodeError(f"--request-timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.request_timeout}")
+    if not 0 <= args.shutdown_grace <= MAX_SECONDS:
+        raise SpecDecodeError(f"--shutdown-grace must be in [0, {MAX_SECONDS:g}] seconds, got {args.shutdown_grace}")
+    if args.log_level not in LOG_LEVELS:
+        raise SpecDecodeError(f"unknown --log-level {args.log_level!r}; choose one of {', '.join(LOG_LEVELS)}")
+    groups = tuple(g.strip() for g in args.public_routes.split(",") if g.strip() and g.strip() != "none")
+    unknown = [g for g in groups if g not in ROUTE_GROUPS]
+    if unknown:
+        raise SpecDecodeError(f"unknown route group {unknown[0]!r} in --public-routes; choose from "
+                              f"{', '.join(ROUTE_GROUPS)}, or none")
+    return groups
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on, or one clear error (a port in use, a bad host)."""
+    if not 0 <= port <= 65535:
+        raise SpecDecodeError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as error:
+        raise SpecDecodeError(f"cannot listen on {host}:{port}: unknown host ({error})") from None
+    listening = socket.socket(family, kind, protocol)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+        listening.bind(address)
+    except OSError as error:
+        listening.close()
+        raise SpecDecodeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    listening.set_inheritable(True)
+    return listening

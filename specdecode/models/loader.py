@@ -22,7 +22,7 @@ from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, stacked
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, stacked
 from specdecode.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -54,6 +54,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_device(device: str) -> None:
+    """cpu, cuda or cuda:N on a machine that has it, or one clear message."""
+    kind, colon, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+        raise SpecDecodeError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise SpecDecodeError(f"device {device!r} requested but this machine has {torch.cuda.device_count()} "
+                              "CUDA devices")
+
+
 def _cpu_has_bf16() -> bool:
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check() for check in checks if check is not None)
@@ -66,9 +78,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;
     quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
     """
+    check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecDecodeError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     check_quant(quant, group_size)
     if quant != "none" and device != "cpu":
         raise SpecDecodeError(f"--quant {quant} runs on the CPU kernels; use --device cpu or --quant none")
@@ -147,9 +158,12 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype, quiet: bool) -> Path:
 
 def read_config(folder: Path) -> ModelConfig:
     try:
-        return ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    except json.JSONDecodeError as error:
+        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise SpecDecodeError(f"{folder / 'config.json'} is not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise SpecDecodeError(f"{folder / 'config.json'} must hold a JSON object, not {type(hf).__name__}")
+    return ModelConfig.from_hf(hf)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -164,8 +178,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     config = read_config(folder)
     weights = FolderWeights(safetensors_files(folder))
-    sources = parameter_sources(config)
-    check_sources(sources, weights.names(), folder, config)
+    sources = matching_sources(weights, folder, config)
     rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
     state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}
     with torch.device("meta"):

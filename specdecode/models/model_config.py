@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
@@ -35,6 +36,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise SpecDecodeError(unsupported_message(self.architecture))
+        for name, hf_name in _SIZES.items():
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise SpecDecodeError(f"config: {hf_name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise SpecDecodeError(f"config: {name} must be a positive number, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            # The rope table covers every position at load: a typo here would ask for terabytes.
+            raise SpecDecodeError(f"config: max_position_embeddings {self.max_position_embeddings} is above the "
+                                  f"{MAX_POSITIONS} positions supported")
+        if self.head_dim % 2:
+            raise SpecDecodeError(f"config: head_dim must be even (rope rotates pairs), got {self.head_dim}")
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
+            raise SpecDecodeError(f"config: sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if not all(type(t) is int for t in self.eos_token_ids) or not (
+                self.bos_token_id is None or type(self.bos_token_id) is int):
+            raise SpecDecodeError(f"config: bos_token_id and eos_token_id must be integers, got "
+                                  f"{self.bos_token_id!r} and {list(self.eos_token_ids)!r}")
+        _check_rope_scaling(self.rope_scaling)
         if self.num_heads % self.num_kv_heads:
             raise SpecDecodeError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
@@ -54,7 +76,7 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict; a missing or malformed field is one clear error."""
         try:
             return cls._from_hf(hf)
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as error:
             raise SpecDecodeError(f"config.json is missing or has a malformed field ({error!r})") from None
 
     @classmethod
@@ -115,6 +137,34 @@ class ModelConfig:
         if self.architecture != "qwen2":
             hf["attention_bias"] = self.qkv_bias
         return hf
+
+
+# Our size fields and the names config.json gives them, for messages.
+_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+          "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+          "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+          "max_position_embeddings": "max_position_embeddings"}
+MAX_POSITIONS = 1 << 20
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
+
+
+def _check_rope_scaling(scaling: dict | None) -> None:
+    """The fields rope.py reads, typed; an unknown rope_type is rejected there with the supported list."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict) or not isinstance(scaling.get("rope_type"), str):
+        raise SpecDecodeError(f"config: rope_scaling must be an object with a rope_type, got {scaling!r}")
+    if scaling["rope_type"] in ("linear", "llama3") and not (
+            _is_number(scaling.get("factor")) and 0 < scaling["factor"] < math.inf):
+        raise SpecDecodeError(f"config: rope_scaling.factor must be a positive number, got {scaling.get('factor')!r}")
+    for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key in scaling and not (_is_number(scaling[key]) and 0 < scaling[key] < math.inf):
+            raise SpecDecodeError(f"config: rope_scaling.{key} must be a positive number, got {scaling[key]!r}")
+    if scaling["rope_type"] == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        raise SpecDecodeError("config: rope_scaling.low_freq_factor and high_freq_factor must differ")
 
 
 _HF_CLASS = {

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over the scheduler, with OpenAI's error bodies for every 4xx."""
+"""The FastAPI app: OpenAI-compatible routes over the scheduler, with OpenAI's error body for every error."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine, GenerationEvent
 from specdecode.errors import SpecDecodeError
+from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
+from specdecode.server.errors import APIKeyGuard, install_error_handlers
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, publish_request_schemas, \
+    request_body
 from specdecode.server.responses import ResponseShape
 from specdecode.server.scheduler import Job, QueueFull, RequestTimeout, Scheduler, ShuttingDown
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class ServerSettings:
     model_name: str
     spec: SpecConfig
     api_key: str | None = None
+    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES  # groups of ROUTE_GROUPS that need no API key
     default_max_tokens: int = 256
     max_active: int = 8
     max_queued: int = 64
@@ -49,11 +55,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="specdecode", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     app.state.drain = lambda: scheduler.shutdown(settings.shutdown_grace)
+    known_paths = {"/v1/models", *GENERATION_ROUTES, *(path for paths in ROUTE_GROUPS.values() for path in paths)}
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, str(error.status)).inc()
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    def count(path: str, status: int) -> None:
+        # Unknown paths share one label: a client (or a fuzzer) must not mint a time series per path it tries.
+        metrics.requests.labels(path if path in known_paths else "other", str(status)).inc()
+
+    install_error_handlers(app, count)
+    if settings.api_key:
+        public = frozenset(path for group in settings.public_routes for path in ROUTE_GROUPS[group])
+        app.add_middleware(APIKeyGuard, key=settings.api_key, public_paths=public, count=count)
 
     @app.get("/health")
     async def health() -> dict:
@@ -65,21 +76,19 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(*scheduler.load), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        authorize(request, settings)
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "specdecode"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         return await serve_generation(request, CompletionRequest, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await serve_generation(request, ChatCompletionRequest, chat=True)
 
     async def serve_generation(request: Request, schema, chat: bool):
-        authorize(request, settings)
         body = await read_body(request, schema, settings.max_body_bytes)
         job = build_job(engine, settings, body, chat)
         try:
@@ -89,13 +98,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                            headers={"Retry-After": "1"}) from None
         except ShuttingDown as error:
             raise APIError(503, str(error), "server_error", headers={"Retry-After": "5"}) from None
-        shape = ResponseShape(chat, settings.model_name)
+        shape = ResponseShape(chat, settings.model_name, engine.target.tokenizer)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = stream_events(job, shape, include_usage, metrics, request.url.path)
             return StreamingResponse(stream, media_type="text/event-stream")
         return await collect(job, shape, metrics, request)
 
+    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
 
 
@@ -109,11 +119,6 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def authorize(request: Request, settings: ServerSettings) -> None:
-    if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
-        raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-
-
 async def read_body(request: Request, schema, limit: int):
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -122,20 +127,33 @@ async def read_body(request: Request, schema, limit: int):
     if len(raw) > limit:
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
     try:
-        return schema.model_validate(json.loads(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:  # bytes that are not UTF-8 are malformed too
-        raise APIError(400, f"malformed JSON body: {error}") from None
+        # Parsed and validated in one pass by pydantic's JSON parser: invalid UTF-8, lone surrogates and
+        # nesting deeper than its recursion limit are malformed JSON, not a crash.
+        return schema.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        errors = error.errors()
+        if errors[0]["type"] == "json_invalid":
+            message = errors[0]["msg"]
+            hint = " (a \\ud800-\\udfff escape must be half of a surrogate pair)" if "escape" in message else ""
+            raise APIError(400, f"malformed JSON body: {message}{hint}") from None
+        # A value that fits no member of a union fails once per member: the deepest failure is the telling one
+        # (a list item of the wrong type, rather than "not a string").
+        deepest = max(errors, key=lambda e: len(e["loc"]))
+        param = ".".join(str(p) for p in deepest["loc"] if not _union_member(p)) or None
+        raise APIError(400, f"{param}: {deepest['msg']}" if param else deepest["msg"], param=param) from None
+
+
+def _union_member(part) -> bool:
+    """pydantic names the member of a union a value failed in its error location ('str', 'list[int]',
+    'constrained-str'); a request field path (OpenAI's `param`) has field names and indices only."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
 def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
     if body.model and body.model != settings.model_name:
         raise APIError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
                        param="model", code="model_not_found")
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
     # The server's default must not turn every request into an error on a small context; an asked-for value may.
     max_tokens = ((body.max_completion_tokens if chat else None) or body.max_tokens
@@ -145,9 +163,10 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                        param="max_tokens")
     try:
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p,
-                                  min_p=body.min_p, max_tokens=max_tokens, seed=body.seed,
-                                  stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+                                  top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                                  min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=body.seed,
+                                  stop=body.stop_strings(), ignore_eos=bool(body.ignore_eos),
+                                  logprobs=body.logprobs_asked())
         spec = settings.spec
         if body.speculative is not None:
             overrides = {k: v for k, v in (("method", body.speculative.method),
@@ -156,12 +175,10 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
             engine.check_spec(spec)
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)
-        vocab_size = engine.target.config.vocab_size
-        if not chat and isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt_ids):
-            # Caught here: in the model it fails the request with a 500 on CPU and a device assert on CUDA.
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    except (SpecDecodeError, ValueError) as error:
-        raise APIError(400, str(error)) from None
+    except SpecDecodeError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    except ValueError as error:  # a message's content parts
+        raise APIError(400, str(error), param="messages") from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop())
 
 
@@ -177,7 +194,7 @@ async def next_event(job: Job) -> GenerationEvent:
 
 
 async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict | Response:
-    text, first_token_at = [], None
+    text, logprobs, first_token_at = [], [], None
     try:
         while True:
             waiter = asyncio.ensure_future(next_event(job))
@@ -191,13 +208,15 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
             event = waiter.result()
             first_token_at = first_token_at or time.monotonic()
             text.append(event.text)
+            logprobs.extend(event.logprobs or ())
             if event.finish_reason is not None:
                 break
     finally:
         job.cancelled.set()  # a no-op when finished; frees the worker's state when the client left
     metrics.record_generation(event.stats, first_token_at - job.submitted, time.monotonic() - job.submitted)
     metrics.requests.labels(request.url.path, "200").inc()
-    return shape.full("".join(text), event.finish_reason, event.stats)
+    return shape.full("".join(text), event.finish_reason, event.stats,
+                      logprobs if event.logprobs is not None else None)
 
 
 async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, metrics: ServerMetrics,
@@ -214,8 +233,11 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
             first_token_at = first_token_at or time.monotonic()
-            if event.text or first or event.finish_reason:
-                yield f"data: {json.dumps(shape.chunk(event.text, event.finish_reason, first))}\n\n"
+            # A chunk for every event with text or log-probabilities (tokens whose text is held back still
+            # have theirs), the first and the last.
+            if event.text or first or event.finish_reason or event.logprobs:
+                chunk = shape.chunk(event.text, event.finish_reason, first, event.logprobs)
+                yield f"data: {json.dumps(chunk)}\n\n"
                 first = False
             if event.finish_reason is not None:
                 metrics.record_generation(event.stats, first_token_at - job.submitted,

@@ -1,20 +1,30 @@
-"""The HTTP boundary: OpenAI request shapes (validated by pydantic) and the OpenAI error body."""
+"""The HTTP boundary: OpenAI request shapes (validated by pydantic, published in /openapi.json) and the OpenAI error
+body."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.json_schema import models_json_schema
 
+from specdecode.config import MAX_LOGPROBS
 from specdecode.drafters.registry import all_options
 
 
+# Strict types at the HTTP boundary: "stream": "yes" or "max_tokens": "8" is a 400, not a guess. JSON numbers
+# still fill float fields whether written 1 or 1.0; NaN and Infinity are refused.
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = STRICT
+    include_usage: bool | None = False
 
 
 class _SpeculativeBase(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT | ConfigDict(extra="forbid")
     method: str | None = None
     num_draft_tokens: int | None = None
 
@@ -33,21 +43,21 @@ SpeculativeOverride = create_model(
 
 class _GenerationRequest(BaseModel):
     # Unknown OpenAI fields (logit_bias, user, ...) are accepted and ignored, as other servers do.
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT | ConfigDict(extra="allow")
+    # Every field may be null, meaning "the default", as OpenAI's own client sends it.
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    # None means "the default", as OpenAI's own client sends it.
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, lt=1)
-    seed: int | None = None
+    top_k: int | None = Field(default=0, ge=0)
+    min_p: float | None = Field(default=0.0, ge=0, lt=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -56,24 +66,46 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probabilities of each token and of the N most likely alternatives")
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    """One part of OpenAI's list form of message content; only text parts can be served."""
+
+    model_config = STRICT | ConfigDict(extra="allow")
+    type: str
+    text: str = ""
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT | ConfigDict(extra="allow")  # name, tool_call_id, ...: accepted, not used
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None  # a string, or OpenAI's list of {"type": "text", "text"} parts
+    content: str | list[ContentPart] | None = None  # a string, or OpenAI's list of {"type": "text", "text"} parts
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        if any(part.get("type") != "text" for part in self.content):
+        if any(part.type != "text" for part in self.content):
             raise ValueError("only text content parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = Field(default=False, description="log-probability of each emitted token")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: the N most likely alternatives at each token")
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class APIError(Exception):
@@ -87,3 +119,26 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that reads `model` from its JSON body by hand (to answer every
+    mistake in OpenAI's error body), which FastAPI cannot see by itself."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add `models` (and the models they use) to /openapi.json's components, where request_body points."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        schema = generate()  # FastAPI's, built once and cached on the app
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        if models[0].__name__ not in components:
+            _, definitions = models_json_schema([(model, "validation") for model in models],
+                                                ref_template="#/components/schemas/{model}")
+            components.update(definitions["$defs"])
+        return schema
+
+    app.openapi = openapi

@@ -53,7 +53,11 @@ class Scheduler:
         self.engine = engine
         self.lock = threading.Lock()
         self.max_active = max_active
-        self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queued)
+        self.max_queued = max_queued
+        # Requests submitted and not yet ended, queued or active, counted under the lock at submit: a burst
+        # finds every free active slot too, not only the queue (the worker moves jobs to slots when it polls).
+        self.admitted = 0
+        self.pending: queue.Queue[Job] = queue.Queue()
         self.active: list[tuple[Job, Iterator[GenerationEvent]]] = []
         self.draining = False
         self.stopped = threading.Event()
@@ -67,10 +71,10 @@ class Scheduler:
         with self.lock:
             if self.draining:
                 raise ShuttingDown("the server is shutting down")
-            try:
-                self.pending.put_nowait(job)
-            except queue.Full:
-                raise QueueFull(f"{self.pending.maxsize} requests are already waiting") from None
+            if self.admitted >= self.max_active + self.max_queued:
+                raise QueueFull(f"{self.max_active} requests are running and {self.max_queued} waiting")
+            self.admitted += 1
+            self.pending.put_nowait(job)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -96,9 +100,16 @@ class Scheduler:
         for job, generator in self.active:
             generator.close()
             job.send(SpecDecodeError("the server shut down before this request finished"))
+            self._release()
         self.active.clear()
         while not self.pending.empty():  # still queued when the grace ran out: answer them too, or they hang
             self.pending.get_nowait().send(SpecDecodeError("the server shut down before this request started"))
+            self._release()
+
+    def _release(self) -> None:
+        """A request ended (finished, failed, cancelled or timed out): its place is free."""
+        with self.lock:
+            self.admitted -= 1
 
     def _admit(self) -> None:
         while len(self.active) < self.max_active:
@@ -108,9 +119,11 @@ class Scheduler:
             except queue.Empty:
                 return
             if job.cancelled.is_set():
+                self._release()
                 continue
             if time.monotonic() > job.deadline:  # waited in the queue past its time limit
                 job.send(RequestTimeout("request timed out"))
+                self._release()
                 continue
             generator = self.engine.generate(job.prompt_ids, job.sampling, job.spec)
             self.active.append((job, generator))
@@ -136,3 +149,4 @@ class Scheduler:
         if finished:
             generator.close()  # frees the request's KV caches
             self.active.remove((job, generator))
+            self._release()

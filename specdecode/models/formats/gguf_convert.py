@@ -80,7 +80,7 @@ def field_value(reader, key: str, default=None):
 def config_from_gguf(reader, path: Path) -> ModelConfig:
     try:
         return _config_from_gguf(reader, path)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as error:  # a zero head count divides by zero
         raise SpecDecodeError(f"{path}: GGUF metadata is missing or malformed ({error!r})") from None
 
 

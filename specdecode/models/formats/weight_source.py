@@ -52,8 +52,15 @@ def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     return sources
 
 
-def check_sources(sources: dict[str, list[str]], available: set[str], where: Path, config: ModelConfig) -> None:
-    """Every needed tensor present and none left over, or one message naming the first few of each."""
+def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: ModelConfig) -> dict[str, list[str]]:
+    """parameter_sources(config) once the weights are known to fit it: the same layers, every needed tensor
+    present with the shape the config implies, none left over. Otherwise one message naming what differs, before
+    anything is allocated (a config whose sizes disagree with its weights would fail deep in PyTorch)."""
+    available = weights.names()
+    layers = {int(name.split(".")[1]) for name in available if name.startswith("layers.") and name.split(".")[1].isdigit()}
+    if len(layers) != config.num_layers:
+        raise SpecDecodeError(f"{where}: the config says {config.num_layers} layers but the weights hold {len(layers)}")
+    sources = parameter_sources(config)
     needed = {name for names in sources.values() for name in names}
     missing = sorted(needed - available)
     # A tied head stored anyway is harmless; anything else unused means a different model.
@@ -64,6 +71,33 @@ def check_sources(sources: dict[str, list[str]], available: set[str], where: Pat
             + (f"; missing {', '.join(missing[:5])}" if missing else "")
             + (f"; unexpected {', '.join(unexpected[:5])}" if unexpected else "")
         )
+    expected = expected_shapes(config)
+    for name in sorted(needed | (available & {"rope_freqs"})):
+        shape = weights.shape(name)
+        if shape != expected[name]:
+            raise SpecDecodeError(f"{where}: {name} has shape {list(shape)} but the config implies "
+                                  f"{list(expected[name])}; config.json does not belong to these weights")
+    return sources
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name (without "model.") -> the shape the config implies for it."""
+    hidden, inner, head = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * head, config.num_kv_heads * head
+    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+              "norm.weight": (hidden,), "rope_freqs": (head // 2,)}
+    per_layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+                 "self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
+                 "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
+                 "self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
+                 "self_attn.v_proj.bias": (kv_size,), "self_attn.o_proj.bias": (hidden,),
+                 "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+                 "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,),
+                 "mlp.up_proj.bias": (inner,), "mlp.down_proj.bias": (hidden,),
+                 "self_attn.q_norm.weight": (head,), "self_attn.k_norm.weight": (head,)}
+    for i in range(config.num_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
 
 
 class FolderWeights:

@@ -39,7 +39,7 @@ from specdecode.models.formats.default_models import cache_dir
 from specdecode.models.transformer import Transformer
 from specdecode.models.quant.w4a8_decoder import fuse_layers
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_fits
-from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, check_sources, parameter_sources, row_blocks, \
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, row_blocks, \
     stacked_as
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -75,8 +75,7 @@ def load_quantized(source: FolderWeights | GGUFWeights | None, config: ModelConf
 
 def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, where: Path, dtype: torch.dtype,
                     quant: str, group_size: int, quiet: bool = False) -> Transformer:
-    sources = parameter_sources(config)
-    check_sources(sources, source.names(), where, config)
+    sources = matching_sources(source, where, config)
     _free_large_blocks_promptly()
     with torch.device("meta"):
         model = Transformer(config)
