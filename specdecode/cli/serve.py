@@ -11,7 +11,7 @@ from dataclasses import replace
 from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
 from specdecode.config import SpecConfig
 from specdecode.drafters import needs_draft_model
-from specdecode.drafters.registry import DRAFTERS, all_options, check_options
+from specdecode.drafters.registry import DRAFTERS, all_options, check_options, with_serve_defaults
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         draft_name = named_draft or draft_name
+    spec = with_serve_defaults(spec)
     check_options(spec)
     listening = listening_socket(args.host, args.port)  # before minutes of loading, not after
     with listening:

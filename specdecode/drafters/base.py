@@ -42,10 +42,13 @@ class DrafterResources:
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,
-           cli: tuple[str, ...] = ()) -> Any:
+           cli: tuple[str, ...] = (), serve_default: Any = None) -> Any:
     """A drafter option: its default, a help line, and the names llama.cpp's server flags and vLLM's
-    `speculative_config` give it (accepted as aliases by our CLI and `--speculative-config`)."""
-    return field(default=default, metadata={"help": help, "llama_cpp": llama_cpp, "vllm": vllm, "cli": cli})
+    `speculative_config` give it (accepted as aliases by our CLI and `--speculative-config`). `serve_default`,
+    when set, replaces the default in `specdecode serve` (a server is shared by users who may not see each
+    other's data)."""
+    return field(default=default, metadata={"help": help, "llama_cpp": llama_cpp, "vllm": vllm, "cli": cli,
+                                            "serve_default": serve_default})
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ so a new drafter's options are declared once, in its own file.
 
 from __future__ import annotations
 
-from dataclasses import Field, fields
+from dataclasses import Field, fields, replace
 from typing import Any
 
 from specdecode.config import SpecConfig
@@ -29,6 +29,15 @@ def register(cls: type[Drafter]) -> type[Drafter]:
 def all_options() -> dict[str, tuple[type[Drafter], Field]]:
     """Option name -> (the drafter that declares it, its dataclass field)."""
     return {item.name: (cls, item) for cls in DRAFTERS.values() for item in fields(cls.Options)}
+
+
+def with_serve_defaults(spec: SpecConfig) -> SpecConfig:
+    """The spec with each option a server defaults differently (`serve_default`) set, unless given."""
+    given = dict(spec.options)
+    for name, (_, item) in all_options().items():
+        if item.metadata["serve_default"] is not None and name not in given:
+            given[name] = item.metadata["serve_default"]
+    return replace(spec, options=given)
 
 
 def canonical_method(name: str) -> str:

@@ -1,0 +1,130 @@
+"""Suffix decoding (SuffixDecoding, Oliaro et al. 2024): propose what followed the context's recent tokens,
+in this request and in earlier responses, weighted by how often each continuation occurred. No model.
+
+Per step, every match length of the context's suffix (up to `suffix_max_depth` tokens) is looked up in the
+request's own tokens and in a cache of earlier responses that lives as long as the Engine; each yields a
+proposal whose depth grows with the match length (`suffix_spec_factor` tokens per matched token) and whose
+nodes are the continuations seen at least `suffix_min_prob` of the time; the proposal with the most expected
+accepted tokens wins. With `suffix_tree_nodes`, several continuations are proposed as one tree.
+
+The cache keeps the last `suffix_cache_requests` finished responses (first in, first out) and is shared by
+every request of the Engine with the same options: a response can shape another user's drafts (never their
+output, which verification fixes, but their speed). `serve` therefore turns it off unless asked; the Python
+API and `generate` keep it on. Responses enter the cache when their request finishes, not while it runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdecode.drafters.base import Drafter, DrafterCaps, option
+from specdecode.drafters.registry import register
+from specdecode.drafters.suffix_index import Candidate, TokenIndex, best_candidate
+from specdecode.errors import SpecDecodeError
+from specdecode.spec_types import DraftProposal, Sequence
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    suffix_max_depth: int = option(24, "longest suffix of the context looked up in earlier text",
+                                   vllm="suffix_decoding_max_tree_depth")
+    suffix_spec_factor: float = option(1.0, "draft tokens per matched token (longer matches propose more)",
+                                       vllm="suffix_decoding_max_spec_factor")
+    suffix_min_prob: float = option(0.1, "least share of earlier occurrences a proposed continuation needs",
+                                    vllm="suffix_decoding_min_token_prob")
+    suffix_cache_requests: int = option(1000, "finished responses kept to draft later requests from "
+                                              "(0 = none; serve's default)",
+                                        vllm="suffix_decoding_max_cached_requests", serve_default=0)
+    suffix_tree_nodes: int = option(0, "nodes of a proposal tree over several continuations "
+                                       "(0 = one chain, the most frequent)")
+
+    def check(self) -> None:
+        if not 1 <= self.suffix_max_depth <= 256:
+            raise SpecDecodeError(f"suffix_max_depth must be between 1 and 256, got {self.suffix_max_depth}")
+        if not 0 < self.suffix_spec_factor <= 64:
+            raise SpecDecodeError(f"suffix_spec_factor must be above 0 and at most 64, got {self.suffix_spec_factor}")
+        if not 0 <= self.suffix_min_prob <= 1:
+            raise SpecDecodeError(f"suffix_min_prob must be between 0 and 1, got {self.suffix_min_prob}")
+        if not 0 <= self.suffix_cache_requests <= 1_000_000:
+            raise SpecDecodeError("suffix_cache_requests must be between 0 (no cache) and 1000000, "
+                                  f"got {self.suffix_cache_requests}")
+        if not 0 <= self.suffix_tree_nodes <= 64:
+            raise SpecDecodeError(f"suffix_tree_nodes must be between 0 (a chain) and 64, got {self.suffix_tree_nodes}")
+
+
+class ResponseCache:
+    """The last `limit` finished responses, searchable as one TokenIndex (rebuilt when a response enters)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.responses: deque[np.ndarray] = deque()  # each [n] int64, oldest first
+        self.index = TokenIndex([])
+
+    def add(self, response: list[int]) -> None:
+        if not self.limit or not response:
+            return
+        self.responses.append(np.asarray(response, dtype=np.int64))
+        while len(self.responses) > self.limit:
+            self.responses.popleft()
+        self.index = TokenIndex(list(self.responses))
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(response) for response in self.responses)
+
+    @property
+    def bytes(self) -> int:
+        """Memory held: the concatenated tokens and their sorted order and values (8 bytes each)."""
+        return self.index.tokens.nbytes + self.index.order.nbytes + self.index.sorted_tokens.nbytes
+
+
+@register
+class SuffixDrafter(Drafter):
+    name = "suffix"
+    Options = SuffixOptions
+    caps = DrafterCaps(emits_trees=True)
+    vllm_method = "suffix"
+    tree_options = {"suffix_tree_nodes": 12}
+
+    def __init__(self, options: SuffixOptions):
+        self.options = options
+        self.cache = ResponseCache(options.suffix_cache_requests)
+
+    @classmethod
+    def create(cls, resources, options: SuffixOptions) -> SuffixDrafter:
+        return cls(options)
+
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        if budget <= 0:
+            return DraftProposal.empty(self.name)
+        context = np.asarray(seq.tokens, dtype=np.int64)  # [L]
+        pattern = seq.tokens[-self.options.suffix_max_depth:]
+        best = self._search(context, np.flatnonzero(context == pattern[-1]), pattern, budget)
+        if self.cache.responses:
+            cached = self._search(self.cache.index.tokens, self.cache.index.positions_of(pattern[-1]), pattern, budget)
+            if cached.score > best.score:  # equal scores: the request's own text
+                best = cached
+        if not best.tokens:
+            return DraftProposal.empty(self.name)
+        if self.options.suffix_tree_nodes == 0:
+            return DraftProposal.chain(best.tokens, source=self.name)
+        return DraftProposal(torch.tensor(best.tokens), torch.tensor(best.parents), None, self.name)
+
+    def _search(self, tokens: np.ndarray, ends: np.ndarray, pattern: list[int], budget: int) -> Candidate:
+        o = self.options
+        return best_candidate(tokens, ends, pattern, o.suffix_max_depth, budget, o.suffix_spec_factor,
+                              o.suffix_tree_nodes, o.suffix_min_prob)
+
+    def start(self, seq: Sequence, prefill) -> None:
+        seq.drafter_state[self.name] = "running"  # so a second finish() of one request caches nothing twice
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.drafter_state.pop(self.name, None):
+            self.cache.add(seq.tokens[seq.prompt_len:])
+
+    def max_nodes(self, budget: int) -> int:
+        return max(budget, self.options.suffix_tree_nodes)
