@@ -1,0 +1,98 @@
+"""`specdecode check`: is this configuration lossless on my model and my prompts? A verdict with its numbers;
+exit code 0 when both tests pass, 1 when one fails (2 for a usage error, as everywhere)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
+from specdecode.config import SamplingParams
+from specdecode.drafters import needs_draft_model
+from specdecode.engine import Engine
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Repeat this line three times: the quick brown fox jumps over the lazy dog.",
+    "Explain in two sentences why the sky is blue.",
+]
+# Repetitive on purpose: prompt lookup and suffix decoding find something to draft in it too.
+SAMPLING_PROMPT = "Continue the pattern: red green blue, red green blue, red green blue, red green"
+
+
+def add_parser(commands) -> None:
+    check = commands.add_parser("check", help="test that speculative decoding is lossless on your model and prompts")
+    check.add_argument("prompts", nargs="*", help=f"prompts for the greedy test (default: {len(DEFAULT_PROMPTS)} "
+                       "built-in ones)")
+    check.add_argument("--max-tokens", type=int, default=64, help="tokens per greedy run at most (default 64)")
+    check.add_argument("--trials", type=int, default=300,
+                       help="sampled runs for the distribution test (default 300; 0 skips it)")
+    check.add_argument("--sampling-prompt", default=SAMPLING_PROMPT, help="the prompt of the sampled runs")
+    check.add_argument("--temperature", type=float, default=0.8, help="of the sampled runs (default 0.8)")
+    check.add_argument("--top-k", type=int, default=20, help="of the sampled runs (default 20)")
+    check.add_argument("--top-p", type=float, default=1.0, help="of the sampled runs (default 1)")
+    check.add_argument("--min-p", type=float, default=0.0, help="of the sampled runs (default 0)")
+    check.add_argument("--alpha", type=float, default=1e-3,
+                       help="the distribution test's significance level (default 0.001)")
+    check.add_argument("--json", action="store_true", help="print one JSON object with every number")
+    add_model_args(check)
+    add_spec_args(check)
+    check.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.check import greedy_identity, sampled_distribution
+
+    if args.max_tokens < 1 or args.trials < 0:
+        raise SpecDecodeError("--max-tokens must be >= 1 and --trials >= 0")
+    if not 0 < args.alpha < 0.5:
+        raise SpecDecodeError(f"--alpha must be between 0 and 0.5, got {args.alpha}")
+    if args.temperature <= 0:
+        raise SpecDecodeError("--temperature must be above 0: the distribution test samples")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    draft_name = default_draft_name(args)
+    spec = spec_from_args(args, has_draft=draft_name is not None)
+    if spec.method == "none":
+        raise SpecDecodeError("--spec-type none is plain decoding: there is nothing to check")
+    target, draft = load_models(args, draft_name if needs_draft_model(spec) else None, quiet=args.json)
+    engine = Engine(target, draft, spec, context_limit=args.context)
+    say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+
+    say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts")
+    cases = greedy_identity(engine, args.prompts or DEFAULT_PROMPTS, spec, args.max_tokens)
+    for case in cases:
+        verdict = "identical" if case.identical else f"DIFFERS from token {case.first_difference}"
+        say(f"  {verdict:24} {case.tokens:4} tokens, {case.accepted}/{case.drafted} drafts accepted  "
+            f"{case.prompt[:48]!r}")
+    greedy_ok = all(case.identical for case in cases)
+
+    report = {"method": spec.method, "options": dict(spec.options), "greedy": [vars(c) for c in cases]}
+    sampling_ok = True
+    if args.trials:
+        say(f"sampling: {args.trials} runs at temperature {sampling.temperature}, top-k {sampling.top_k}, "
+            f"top-p {sampling.top_p}, min-p {sampling.min_p}")
+        case = sampled_distribution(engine, args.sampling_prompt, spec, sampling, args.trials, args.alpha,
+                                    quiet=args.json)
+        test = case.test
+        say(f"  chi-square {test.statistic:.1f} against {test.critical:.1f} (alpha {args.alpha}, "
+            f"{test.degrees_of_freedom} degrees of freedom) over {case.tested} runs with the commonest first token; "
+            f"{case.accepted}/{case.drafted} drafts accepted")
+        if test.impossible:
+            say(f"  {test.impossible} runs emitted a pair the target gives probability 0")
+        if not case.drafted:
+            say("  no run drafted anything: the test says nothing about speculation (try --sampling-prompt with "
+                "text this method can draft)")
+        sampling_ok = case.passed
+        report["sampling"] = {"trials": case.trials, "tested": case.tested, "drafted": case.drafted,
+                              "accepted": case.accepted, "passed": case.passed, **vars(test)}
+    passed = greedy_ok and sampling_ok
+    report["passed"] = passed
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{spec.method}: {'lossless on these tests' if passed else 'NOT lossless'} (greedy "
+              f"{'identical' if greedy_ok else 'differs'}, sampling "
+              f"{('passed' if sampling_ok else 'failed') if args.trials else 'not run'})")
+    return 0 if passed else 1
