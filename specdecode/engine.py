@@ -199,6 +199,7 @@ class Engine:
     def finish(self, seq: Sequence) -> None:
         """The request ended (or was dropped): the drafter lets go of its state for it."""
         seq.drafter.finish(seq)
+        seq.stats.drafter_cache_bytes = seq.drafter.cache_bytes()
 
     def _forward(self, seq: Sequence, inputs: ForwardInputs, logits_at: slice | None = None) -> TargetOutput:
         """One target forward, with the hidden states the sequence's drafter reads; batch dimension removed."""

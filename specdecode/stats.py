@@ -24,6 +24,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    drafter_cache_bytes: int = 0  # the drafter's cross-request caches once this request finished
 
     def record_step(self, source: str, nodes: int, depth: int, accepted: int, committed: int) -> None:
         """One verify forward: `nodes` drafted tokens checked (a tree's every node), its longest path `depth`
@@ -106,6 +107,7 @@ class GenerationStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
+            "drafter_cache_bytes": self.drafter_cache_bytes,
         }
 
 
@@ -124,4 +126,5 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
         for source, count in part.drafted_by.items():
             total.drafted_by[source] = total.drafted_by.get(source, 0) + count
             total.accepted_by[source] = total.accepted_by.get(source, 0) + part.accepted_by.get(source, 0)
+    total.drafter_cache_bytes = max((part.drafter_cache_bytes for part in parts), default=0)  # one cache, not a sum
     return total

@@ -120,5 +120,7 @@ def test_an_earlier_response_drafts_a_repeated_request_only_with_the_cache(engin
     if cached:
         assert second.stats.accepted_tokens > first.stats.accepted_tokens
         assert second.stats.target_forwards < first.stats.target_forwards
+        assert second.stats.drafter_cache_bytes > first.stats.drafter_cache_bytes > 0  # reported, and growing
     else:
         assert second.stats.accepted_tokens == first.stats.accepted_tokens
+        assert second.stats.drafter_cache_bytes == 0

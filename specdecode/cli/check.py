@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"  chi-square {test.statistic:.1f} against {test.critical:.1f} (alpha {args.alpha}, "
             f"{test.degrees_of_freedom} degrees of freedom) over {case.tested} runs with the commonest first token; "
             f"{case.accepted}/{case.drafted} drafts accepted")
+        if test.degrees_of_freedom < 3:
+            say("  few cells: the target is nearly sure of these tokens, so the test has little power; a higher "
+                "--temperature or a more open --sampling-prompt makes a stronger one")
         if test.impossible:
             say(f"  {test.impossible} runs emitted a pair the target gives probability 0")
         if not case.drafted:

@@ -88,3 +88,7 @@ class Drafter:
     def max_nodes(self, budget: int) -> int:
         """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""
         return budget
+
+    def cache_bytes(self) -> int:
+        """Memory held by caches that outlive a request (reported in stats; weights are not counted)."""
+        return 0

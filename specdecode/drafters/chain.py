@@ -46,6 +46,9 @@ class ChainDrafter(Drafter):
     def max_nodes(self, budget: int) -> int:
         return max(member.max_nodes(budget) for member in self.members)
 
+    def cache_bytes(self) -> int:
+        return sum(member.cache_bytes() for member in self.members)
+
 
 def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[tuple, Drafter]) -> Drafter:
     """The drafter for `spec`, its members taken from (or added to) `members`, so that each distinct drafter

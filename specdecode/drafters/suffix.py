@@ -128,3 +128,6 @@ class SuffixDrafter(Drafter):
 
     def max_nodes(self, budget: int) -> int:
         return max(budget, self.options.suffix_tree_nodes)
+
+    def cache_bytes(self) -> int:
+        return self.cache.bytes
