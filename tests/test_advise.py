@@ -57,3 +57,26 @@ def test_usage_errors_are_one_line(models, capsys):
     assert main(["advise", "  ", "--model", models[0]]) == 2
     assert main(["advise", "hi", "--model", models[0], "--candidates", "nope"]) == 2
     assert capsys.readouterr().err.count("error:") == 2
+
+
+def test_methods_in_one_session_do_not_draft_from_each_others_answers(models):
+    """'suffix' and 'suffix' at another draft length share a drafter within one Engine; measured side by side,
+    the second must not find the first's answer to the same question in the response cache."""
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.runner import engine_turn_runner, run_question
+    from specdecode.bench.suite import parse_methods, runner_factories
+    from specdecode.config import SamplingParams, SpecConfig
+    from specdecode.engine import Engine
+    from specdecode.models.loader import load_model
+
+    engine = Engine(load_model(models[0], dtype="float32"))
+    methods = parse_methods("suffix,suffix:k=4", SpecConfig("none"))
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    question = Question("q", "x", ("The quick brown fox",))
+    factories = runner_factories(engine, methods, [])
+    first = run_question(question, factories["suffix"](sampling))
+    second = run_question(question, factories["suffix:k=4"](sampling))
+    alone = run_question(question, engine_turn_runner(Engine(engine.target), methods[2].spec, sampling))
+    assert first.token_ids == second.token_ids
+    assert methods[2].name == "suffix:k=4"
+    assert second.stats.accepted_tokens == alone.stats.accepted_tokens

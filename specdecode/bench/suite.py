@@ -84,9 +84,16 @@ def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpe
 
 
 def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]) -> dict[str, RunnerFactory]:
-    """Method name -> (sampling -> turn runner); appends the peers' methods to `methods`."""
+    """Method name -> (sampling -> turn runner); appends the peers' methods to `methods`.
+
+    Each runner of ours gets its own Engine over the same loaded models: a drafter cache that outlives a request
+    (suffix's responses) then holds only that method's own earlier answers, not another method's answer to the
+    question being measured, nor the warm-up's."""
+    def fresh(reference: Engine) -> Engine:
+        return Engine(reference.target, reference.draft, reference.spec, context_limit=reference.context_limit)
+
     factories: dict[str, RunnerFactory] = {
-        m.name: (lambda s, spec=m.spec: engine_turn_runner(engine, spec, s)) for m in methods}
+        m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}
     if "hf" in peers:
         from specdecode.bench.hf_peer import HFPeer
 
