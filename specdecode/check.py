@@ -89,9 +89,9 @@ def _pair_law(engine: Engine, context: list[int], sampling: SamplingParams):
     """The target's law of the next two tokens after `context`: cells (i, t) for the i-th likeliest second
     token and any third token t, and one last cell for every pair whose second token is not among those."""
     second = _next_probs(engine, context, sampling)  # [V]
-    likeliest = [int(t) for t in second.topk(SECOND_TOKENS).indices if second[t] > 0]
+    likeliest = [int(t) for t in second.topk(min(SECOND_TOKENS, second.numel())).indices if second[t] > 0]
     rows = [second[t] * _next_probs(engine, context + [t], sampling) for t in likeliest]  # each [V]
-    rest = (1 - sum(float(second[t]) for t in likeliest))
+    rest = 1 - sum(float(second[t]) for t in likeliest)
     law = torch.cat([torch.stack(rows).flatten(), torch.tensor([max(rest, 0.0)])])  # [S * V + 1]
     slot = {t: i for i, t in enumerate(likeliest)}
     vocab = second.numel()

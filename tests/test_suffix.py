@@ -10,11 +10,11 @@ from conftest import save_tiny_model
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.drafters.registry import with_serve_defaults
 from specdecode.drafters.suffix import ResponseCache, SuffixOptions
-from specdecode.drafters.suffix_index import TokenIndex, best_candidate, continuation_tree, matches
+from specdecode.drafters.suffix_index import TokenIndex, best_candidate, matches, path_candidate, tree_candidate
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 
-# "1 2 3" occurs three times before the end, followed by 4, 5 and 4.
+# "1 2 3" occurs four times (the context's own end included), followed by 4, 5 and 4.
 CONTEXT = np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2, 3])
 
 
@@ -22,11 +22,11 @@ def ends_of(tokens: np.ndarray, pattern: list[int]) -> np.ndarray:
     return np.flatnonzero(tokens == pattern[-1])
 
 
-def test_matches_narrow_by_one_token_a_step_and_skip_the_context_itself():
+def test_matches_narrow_by_one_token_a_step_and_count_every_occurrence():
     pattern = CONTEXT.tolist()
     found = [(m, positions.tolist()) for m, positions in matches(CONTEXT, ends_of(CONTEXT, pattern), pattern, 8)]
-    # The last position (the context's own end) has no continuation; "9 1 2 3" never occurred before.
-    assert found == [(1, [2, 6, 10]), (2, [2, 6, 10]), (3, [2, 6, 10])]
+    # The context's own end is an occurrence too (as in a suffix tree); "9 1 2 3" and longer occur only there.
+    assert found == [(m, [2, 6, 10, 15]) for m in (1, 2, 3)] + [(m, [15]) for m in range(4, 9)]
 
 
 def test_matches_never_cross_a_separator():
@@ -34,37 +34,41 @@ def test_matches_never_cross_a_separator():
     assert [m for m, _ in matches(index.tokens, index.positions_of(2), [1, 2], 4)] == [1]
 
 
-def test_chain_follows_the_most_frequent_continuation_with_its_share():
-    candidate = continuation_tree(CONTEXT, np.array([2, 6, 10]), depth=3, max_nodes=0, min_prob=0.0, match_len=3)
-    assert candidate.tokens == [4, 9, 1]  # 4 twice in three; after "4": 1 (older) and 9 (recent) once each
+def test_path_follows_the_most_frequent_child_with_its_share_of_the_occurrences():
+    candidate = path_candidate(CONTEXT, np.array([2, 6, 10, 15]), 3, max_tokens=3, room=8, min_prob=0.0)
+    # 4 follows two of the four occurrences; after "1 2 3 4", 1 and 9 once each: the first seen goes first.
+    assert candidate.tokens == [4, 1, 2]
     assert candidate.parents == [-1, 0, 1]
-    assert candidate.probs == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert candidate.probs == pytest.approx([2 / 4, 1 / 4, 1 / 4])
 
 
-def test_tree_takes_the_most_probable_nodes_and_keeps_parents_before_children():
-    candidate = continuation_tree(CONTEXT, np.array([2, 6, 10]), depth=2, max_nodes=3, min_prob=0.0, match_len=3)
-    assert candidate.tokens[0] == 4 and candidate.probs[0] == pytest.approx(2 / 3)
-    assert len(candidate.tokens) == 3
-    assert all(parent < i for i, parent in enumerate(candidate.parents))
-    assert set(candidate.tokens[1:]) <= {9, 1, 5}
+def test_equal_counts_go_to_the_latest_to_reach_them_once_counted_twice():
+    tokens = np.array([0, 7, 0, 8, 0, 8, 0, 7, 0])  # after 0: 7 at 1 and 7; 8 at 3 and 5; 7 reached 2 last
+    assert path_candidate(tokens, ends_of(tokens, [0]), 1, 1, 8, 0.0).tokens == [7]
 
 
-def test_min_prob_drops_rare_continuations():
-    candidate = continuation_tree(CONTEXT, np.array([2, 6, 10]), depth=3, max_nodes=8, min_prob=0.5, match_len=3)
-    assert candidate.tokens == [4]
+def test_tree_takes_the_most_probable_nodes_with_parents_first():
+    candidate = tree_candidate(CONTEXT, np.array([2, 6, 10, 15]), 3, max_tokens=3, max_depth=3, room=8, min_prob=0.0)
+    assert candidate.tokens == [4, 5, 1] and candidate.parents == [-1, -1, 0]
+    assert candidate.probs == pytest.approx([2 / 4, 1 / 4, 1 / 4])
 
 
-def test_proposal_depth_grows_with_the_match_length():
-    pattern = CONTEXT.tolist()
-    short = best_candidate(CONTEXT, ends_of(CONTEXT, pattern), pattern, max_len=1, budget=8, spec_factor=1.0,
-                           max_nodes=0, min_prob=0.0)
-    longer = best_candidate(CONTEXT, ends_of(CONTEXT, pattern), pattern, max_len=3, budget=8, spec_factor=1.0,
-                            max_nodes=0, min_prob=0.0)
-    assert len(short.tokens) == 1 and short.match_len == 1
-    assert len(longer.tokens) == 3 and longer.match_len == 3
-    capped = best_candidate(CONTEXT, ends_of(CONTEXT, pattern), pattern, max_len=3, budget=2, spec_factor=4.0,
-                            max_nodes=0, min_prob=0.0)
-    assert len(capped.tokens) == 2  # the budget bounds the depth whatever the factor
+def test_min_prob_and_the_depth_bound_cut_the_draft():
+    assert path_candidate(CONTEXT, np.array([2, 6, 10, 15]), 3, 3, 8, min_prob=0.3).tokens == [4]
+    assert path_candidate(CONTEXT, np.array([2, 6, 10, 15]), 3, 3, room=1, min_prob=0.0).tokens == [4]
+
+
+def test_proposal_length_grows_with_the_match_length():
+    tokens = np.array([0, 1, 2, 3, 4, 5, 6, 7, 9, 0, 1, 2, 3])  # "0 1 2 3" occurred once before
+    pattern = tokens.tolist()
+
+    def best(max_depth: int, budget: int, spec_factor: float):
+        return best_candidate(tokens, ends_of(tokens, pattern), pattern, max_depth, budget, spec_factor, 0, 0.0)
+
+    assert (best(2, 8, 1.0).match_len, best(2, 8, 1.0).tokens) == (1, [4])  # only 1-token matches fit depth 2
+    assert (best(24, 8, 1.0).match_len, best(24, 8, 1.0).tokens) == (4, [4, 5, 6, 7])
+    assert best(24, 8, 1.0).probs == pytest.approx([0.5] * 4)  # the context's own end is the other occurrence
+    assert best(24, 2, 4.0).tokens == [4, 5]  # the budget bounds the depth whatever the factor
 
 
 def test_nothing_to_propose_without_an_earlier_occurrence():

@@ -15,7 +15,7 @@ from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import MethodSpec
 from specdecode.bench.suite import run_all, runner_factories
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.drafters.registry import DRAFTERS, all_options, needs_draft_model
+from specdecode.drafters.registry import DRAFTERS, needs_draft_model
 from specdecode.engine import Engine
 
 WITHOUT_DRAFT_MODEL = "ngram,suffix,ngram:ngram_branches=3"
@@ -60,7 +60,9 @@ def trial(engine: Engine, questions: list[Question], methods: list[MethodSpec],
 
 def _weights_bytes(engine: Engine, method: MethodSpec) -> int:
     models = [engine.target] + ([engine.draft] if needs_draft_model(method.spec) else [])
-    return sum(t.numel() * t.element_size() for m in models for t in m.model.state_dict().values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # tied weights counted once
+                for m in models for t in m.model.state_dict().values()}
+    return sum(storages.values())
 
 
 def command_line(ranked: Ranked, model_flags: list[str]) -> str:
@@ -72,6 +74,6 @@ def command_line(ranked: Ranked, model_flags: list[str]) -> str:
     used = {item.name: item.default for name in spec.methods if name in DRAFTERS
             for item in fields(DRAFTERS[name].Options)}
     for name, value in spec.options:
-        if name in used and value != used[name] and name in all_options():
+        if name in used and value != used[name]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return shlex.join(flags)
