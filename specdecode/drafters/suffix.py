@@ -1,11 +1,12 @@
 """Suffix decoding (SuffixDecoding, Oliaro et al. 2024): propose what followed the context's recent tokens,
 in this request and in earlier responses, weighted by how often each continuation occurred. No model.
 
-Per step, every match length of the context's suffix (up to `suffix_max_depth` tokens) is looked up in the
-request's own tokens and in a cache of earlier responses that lives as long as the Engine; each yields a
-proposal whose depth grows with the match length (`suffix_spec_factor` tokens per matched token) and whose
-nodes are the continuations seen at least `suffix_min_prob` of the time; the proposal with the most expected
-accepted tokens wins. With `suffix_tree_nodes`, several continuations are proposed as one tree.
+Per step, every match length of the context's suffix is looked up in the request's own tokens and in a cache
+of earlier responses that lives as long as the Engine (a match and its continuation span `suffix_max_depth`
+tokens at most, the reference's tree depth); each yields a proposal of up to `suffix_spec_factor` tokens per
+matched token whose nodes are the continuations seen at least `suffix_min_prob` of the time; the proposal with
+the most expected accepted tokens wins. With `suffix_tree_nodes`, the likeliest continuation nodes (that many
+at most, and no more than the match length allows) are proposed as one tree.
 
 The cache keeps the last `suffix_cache_requests` finished responses (first in, first out) and is shared by
 every request of the Engine with the same options: a response can shape another user's drafts (never their
@@ -35,7 +36,7 @@ from specdecode.spec_types import DraftProposal, Sequence
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    suffix_max_depth: int = option(24, "longest suffix of the context looked up in earlier text",
+    suffix_max_depth: int = option(24, "tokens a match and its continuation span at most (the suffix trees' depth)",
                                    vllm="suffix_decoding_max_tree_depth")
     suffix_spec_factor: float = option(1.0, "draft tokens per matched token (longer matches propose more)",
                                        vllm="suffix_decoding_max_spec_factor")
