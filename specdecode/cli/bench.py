@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     for method in methods:
         engine.check_spec(method.spec)
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
-             "quant": args.quant, "draft_quant": draft_quant(args) if draft else None,
+             "quant": target.quant, "draft_quant": draft_quant(args) if draft else None,
              "questions": len(questions), "max_tokens": sampling.max_tokens,
              "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
     run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup)

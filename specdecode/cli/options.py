@@ -23,10 +23,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
     group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    group.add_argument("--quant", default="none", help="target weights: none, int8 (per channel), int4 (group-wise) or "
-                       "w4a8 (int4 weights with int8 activations on our kernel: x86 CPUs with AVX2 and FMA, "
-                       "AVX-512 VNNI where present; compiled at first use); greedy identity holds against the target as loaded, "
-                       "quantization included")
+    group.add_argument("--quant", default="auto",
+                       help="target weights: auto (default: a GGUF of 4-bit K-quants runs as w4a8 where this CPU "
+                       "has the kernel, anything else as stored, in --dtype; one line says what and why), none, "
+                       "int8 (per channel), int4 (group-wise) or w4a8 (int4 weights with int8 activations on our "
+                       "kernel: x86 CPUs with AVX2 and FMA, AVX-512 VNNI where present; compiled at first use); "
+                       "greedy identity holds against the target as loaded, quantization included")
     group.add_argument("--draft-quant", default="auto",
                        help="draft weights: auto (on CPU w4a8 where it runs, else int4; none elsewhere), none, int8, "
                        "int4 or w4a8; a cheaper draft never changes the output")

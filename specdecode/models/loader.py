@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.packed_linear import can_pack, pack_linears
+from specdecode.models.quant.auto_quant import choose_quant
 from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
@@ -35,6 +37,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     folder: Path  # holds config.json and the tokenizer (a GGUF source's cached conversion or quantized copy)
+    quant: str = "none"  # how its weights were loaded (what --quant auto chose)
 
     @property
     def config(self) -> ModelConfig:
@@ -76,21 +79,27 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     """Load a default name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
 
     quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;
-    quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
+    "w4a8" (int4 weights, int8 activations); "auto" chooses (quant/auto_quant.py) and says what and why unless
+    quiet. Quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
     """
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    check_quant(quant, group_size)
-    if quant != "none" and device != "cpu":
+    if quant != "auto":
+        check_quant(quant, group_size)
+    if quant not in ("none", "auto") and device != "cpu":
         raise SpecDecodeError(f"--quant {quant} runs on the CPU kernels; use --device cpu or --quant none")
     source = resolve_source(str(name_or_path), quiet)
+    if quant == "auto":
+        quant, reason = choose_quant(source, device, group_size, quiet)
+        if not quiet and source.is_file():  # a folder's weights load as stored: nothing was chosen
+            print(f"{Path(str(name_or_path)).name}: --quant auto -> {quant} ({reason})", file=sys.stderr)
     if quant == "none":
         folder = _float_folder(source, torch_dtype, quiet)
         model = load_folder(folder, torch_dtype, device)
     else:
         model, folder = load_quantized_source(source, torch_dtype, quant, group_size, quiet)
     tokenizer = Tokenizer.from_folder(folder, model.config)
-    return LoadedModel(str(name_or_path), model, tokenizer, folder)
+    return LoadedModel(str(name_or_path), model, tokenizer, folder, quant)
 
 
 def resolve_source(name_or_path: str, quiet: bool) -> Path:
