@@ -16,6 +16,7 @@ import torch
 from conftest import save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.chi_square import chi_square
 from specdecode.models.loader import load_model
 from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
@@ -24,7 +25,7 @@ from specdecode.sampling import logits_to_probs
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so n-gram lookup drafts "3 1 2"
 RUNS = 2000
-Z_ALPHA = 3.719  # standard normal quantile at 1 - 1e-4: a correct engine fails one run in 10,000
+ALPHA = 1e-4  # a correct engine fails one run in 10,000
 SETTINGS = {
     # A fourth token leaves room for two drafts after the first token, so chains and bonus tokens both occur.
     "temperature": SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
@@ -72,18 +73,10 @@ def exact_laws(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tenso
 
 
 def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
-    """Pearson's test at alpha = 1e-4, cells expecting fewer than 5 draws pooled into one (the usual rule)."""
-    counts, expected = counts.flatten(), probs.flatten() * counts.sum()
-    assert counts[expected == 0].sum() == 0, "a token the target never produces was emitted"
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
-    wanted = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = wanted > 0
-    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
-    df = int(keep.sum()) - 1
-    # Wilson-Hilferty approximation of the chi-square quantile: within 2% for these degrees of freedom.
-    critical = df * (1 - 2 / (9 * df) + Z_ALPHA * (2 / (9 * df)) ** 0.5) ** 3
-    return statistic < critical
+    """Pearson's test at ALPHA, cells expecting fewer than 5 draws pooled into one (the usual rule)."""
+    test = chi_square(counts, probs, ALPHA)
+    assert test.impossible == 0, "a token the target never produces was emitted"
+    return test.passed
 
 
 @pytest.mark.parametrize(("method", "setting", "target_kind"), [

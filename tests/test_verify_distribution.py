@@ -21,6 +21,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from specdecode.chi_square import chi_square
 from specdecode.config import SamplingParams
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, VerifyResult
@@ -31,7 +32,7 @@ V = 6
 NUM_TRIALS = 20_000
 MAX_DRAFTS = 2
 BOS = 0  # the "previous token" of position 0
-Z_ALPHA = 3.7190  # standard normal upper quantile for alpha = 1e-4
+ALPHA = 1e-4
 
 SETTINGS = {
     "temperature": SamplingParams(temperature=0.8),
@@ -60,27 +61,11 @@ def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return target, draft
 
 
-def _chi_square_critical(df: int) -> float:
-    # Wilson-Hilferty approximation of the chi-square quantile: within 1% of the exact value for df >= 3 and
-    # slightly above it for smaller df (checked against scipy), i.e. never laxer than alpha = 1e-4.
-    c = 2 / (9 * df)
-    return df * (1 - c + Z_ALPHA * math.sqrt(c)) ** 3
-
-
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """counts [C], probs [C] -> (statistic, critical value). An outcome of probability 0 gives inf."""
-    counts = counts.double()  # [C]
-    expected = probs.double() * counts.sum()  # [C]
-    if counts[expected == 0].sum() > 0:
-        return math.inf, 0.0  # e.g. a token outside top-k was emitted: no sampling noise explains that
-    # Pool cells with expected count < 5 into one bin so the chi-square approximation holds.
-    small = (expected > 0) & (expected < 5)  # [C]
-    observed = torch.cat([counts[expected >= 5], counts[small].sum().reshape(1)])  # [B]
-    expected = torch.cat([expected[expected >= 5], expected[small].sum().reshape(1)])  # [B]
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    return statistic, _chi_square_critical(len(expected) - 1)
+    """counts [C], probs [C] -> (statistic, critical value at ALPHA). An outcome of probability 0 gives inf
+    (e.g. a token outside top-k was emitted: no sampling noise explains that)."""
+    test = chi_square(counts, probs, ALPHA)
+    return (math.inf, 0.0) if test.impossible else (test.statistic, test.critical)
 
 
 def _emit_two_tokens(
