@@ -10,6 +10,7 @@ from typing import Any
 from specdecode.errors import SpecDecodeError
 
 MAX_DRAFT_TOKENS = 64
+COMBINE_RULES = ("first", "best")  # how a chain of methods picks each step's proposal
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's cap
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
 # greedy anyway (every other token's probability underflows to zero).
@@ -78,6 +79,9 @@ class SamplingParams:
 class SpecConfig:
     """How to speculate: a method (a drafter name, or a comma-separated fallback chain such as 'ngram,draft'),
     the draft length, and each drafter's own options by name (declared in its file, e.g. ngram_max=3).
+    `guard` pauses drafting while it measures slower than plain decoding (speed_guard.py). `combine` is how a
+    chain picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the most
+    expected tokens per second, drafters/step_choice.py).
 
         SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
     """
@@ -86,20 +90,28 @@ class SpecConfig:
     num_draft_tokens: int
     adaptive: bool
     options: tuple[tuple[str, Any], ...]  # (option name, value), sorted by name; unset options keep defaults
+    guard: bool
+    combine: str
 
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
-                 options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), **named_options: Any):
+                 options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), guard: bool = True,
+                 combine: str = "first", **named_options: Any):
         from specdecode.drafters.registry import canonical_method, check_options_given  # registry imports this
 
-        if not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool):
-            raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int) and adaptive "
-                                  f"(bool), got {method!r}, {num_draft_tokens!r}, {adaptive!r}")
+        if (not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool)
+                or not isinstance(guard, bool)):
+            raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int), adaptive and "
+                                  f"guard (bool), got {method!r}, {num_draft_tokens!r}, {adaptive!r}, {guard!r}")
         merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
         names = (m.strip() for m in method.split(","))
         object.__setattr__(self, "method", ",".join(canonical_method(m) for m in names if m))
         object.__setattr__(self, "num_draft_tokens", num_draft_tokens)
         object.__setattr__(self, "adaptive", adaptive)
         object.__setattr__(self, "options", tuple(sorted(merged.items())))
+        object.__setattr__(self, "guard", guard)
+        object.__setattr__(self, "combine", combine)
+        if combine not in COMBINE_RULES:
+            raise SpecDecodeError(f"combine must be one of {', '.join(COMBINE_RULES)}, got {combine!r}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecDecodeError(
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"

@@ -22,6 +22,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.models.loader import LoadedModel
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
+from specdecode.speed_guard import PlainStepClock, SpeedGuard
 from specdecode.stats import GenerationStats
 from specdecode.tokenizer import IncrementalDetokenizer
 from specdecode.tree import ForwardInputs, proposal_depth, verify_inputs
@@ -66,11 +67,12 @@ class Engine:
         self.resources = DrafterResources(target, draft, self.context_limit)
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
+        self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request
         self.check_spec(self.spec)
 
     def drafter(self, spec: SpecConfig) -> Drafter:
         """The drafter for `spec`, created on first use and kept: weights and cross-request caches live once."""
-        key = (spec.method, spec.options)
+        key = (spec.method, spec.options, spec.combine)
         if key not in self._drafters:
             if len(self._drafters) >= MAX_DRAFTER_CONFIGS:
                 raise SpecDecodeError(f"this engine already serves {MAX_DRAFTER_CONFIGS} distinct speculative "
@@ -160,8 +162,9 @@ class Engine:
         # Slots beyond the capacity hold a step's proposed nodes until the rejected ones are dropped.
         cache = self.target.model.new_cache(capacity + drafter.max_nodes(draft_length.maximum))
         eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
+        guard = SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts)
         seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
-                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids)), eos)
+                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids)), eos, guard)
         device = self.target.model.device
         prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
                               torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
@@ -178,7 +181,8 @@ class Engine:
         """One speculative step; -> the tokens it committed (at least one)."""
         began = perf_counter()
         room = min(seq.capacity - len(seq.tokens), seq.sampling.max_tokens - seq.generated)
-        budget = min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
+        wanted = min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
+        budget, withheld = seq.guard.budget(wanted)
         proposal = seq.drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(seq.drafter.name)
         proposed = perf_counter()
         start = len(seq.tokens) - 1  # the root: the last committed token, not in the cache yet
@@ -192,8 +196,13 @@ class Engine:
         depth = proposal_depth(proposal)
         seq.draft_length.update(depth, result.num_accepted)
         seq.stats.record_step(proposal.source, proposal.size, depth, result.num_accepted, len(result.tokens))
+        if proposal.size == 0 and seq.drafter.caps.drafts:
+            seq.stats.record_undrafted(withheld or ("no_room" if wanted <= 0 else "no_proposal"))
+        ended = perf_counter()
+        seq.guard.observe(ended - began, len(result.tokens), proposal.size)
+        seq.stats.guard_shrinks, seq.stats.guard_pauses = seq.guard.shrinks, seq.guard.pauses
         seq.stats.draft_seconds += proposed - began
-        seq.stats.verify_seconds += perf_counter() - proposed
+        seq.stats.verify_seconds += ended - proposed
         return result.tokens
 
     def finish(self, seq: Sequence) -> None:

@@ -23,6 +23,7 @@ from specdecode.stats import GenerationStats
 if TYPE_CHECKING:
     from specdecode.drafters.base import Drafter
     from specdecode.models.kv_cache import KVCache
+    from specdecode.speed_guard import SpeedGuard
 
 
 @dataclass(eq=False)  # identity equality: two requests with the same fields are still two requests
@@ -40,6 +41,7 @@ class Sequence:
     draft_length: DraftLength
     stats: GenerationStats
     eos: frozenset[int]  # tokens that end the turn (empty with ignore_eos)
+    guard: SpeedGuard  # shrinks or pauses drafting while it measures slower than plain decoding
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
     # One per generated token when sampling.logprobs asks for them (logprobs.py), else empty.
     logprobs: list[TokenLogprob] = field(default_factory=list)

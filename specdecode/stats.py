@@ -25,6 +25,14 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     drafter_cache_bytes: int = 0  # the drafter's cross-request caches once this request finished
+    # Forwards that verified no draft, by why: "no_proposal" (the drafter found nothing), "no_room" (the token
+    # budget or context allowed none), "guard_paused" / "guard_timing_plain" (speed_guard.py).
+    steps_without_draft: dict[str, int] = field(default_factory=dict)
+    guard_shrinks: int = 0  # times the speed guard halved the draft length
+    guard_pauses: int = 0  # times it paused drafting
+
+    def record_undrafted(self, reason: str) -> None:
+        self.steps_without_draft[reason] = self.steps_without_draft.get(reason, 0) + 1
 
     def record_step(self, source: str, nodes: int, depth: int, accepted: int, committed: int) -> None:
         """One verify forward: `nodes` drafted tokens checked (a tree's every node), its longest path `depth`
@@ -108,6 +116,9 @@ class GenerationStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
             "drafter_cache_bytes": self.drafter_cache_bytes,
+            "steps_without_draft": dict(self.steps_without_draft),
+            "guard_shrinks": self.guard_shrinks,
+            "guard_pauses": self.guard_pauses,
         }
 
 
@@ -117,7 +128,7 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
     for part in parts:
         for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
                      "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "draft_seconds",
-                     "verify_seconds", "total_seconds"):
+                     "verify_seconds", "total_seconds", "guard_shrinks", "guard_pauses"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.cover_positions(len(part.drafted_per_position))
         for position, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):
@@ -126,5 +137,7 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
         for source, count in part.drafted_by.items():
             total.drafted_by[source] = total.drafted_by.get(source, 0) + count
             total.accepted_by[source] = total.accepted_by.get(source, 0) + part.accepted_by.get(source, 0)
+        for reason, count in part.steps_without_draft.items():
+            total.steps_without_draft[reason] = total.steps_without_draft.get(reason, 0) + count
     total.drafter_cache_bytes = max((part.drafter_cache_bytes for part in parts), default=0)  # one cache, not a sum
     return total

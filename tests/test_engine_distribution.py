@@ -82,6 +82,8 @@ def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
 @pytest.mark.parametrize(("method", "setting", "target_kind"), [
     ("none", "temperature", "float"), ("draft", "temperature", "float"), ("ngram", "temperature", "float"),
     ("draft", "top-p", "float"), ("ngram,draft", "top-p", "float"), ("ngram,draft", "temperature", "w4a8"),
+    # Per-step choice between a lookup and a sampling drafter: the choice must not skew the law.
+    ("ngram,draft:best", "temperature", "float"),
 ])
 def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method, target_kind):
     targets, draft = small_vocab_pair
@@ -90,14 +92,18 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting
     params = SETTINGS[setting]
     joint, third = exact_laws(target.model, params)
     pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
-    drafted = 0
+    drafted, sources = 0, set()
     for seed in range(RUNS):
-        result = engine.complete(PROMPT, replace(params, seed=seed), SpecConfig(method, num_draft_tokens=2,
-                                                                                 adaptive=False))
+        spec = SpecConfig(method.removesuffix(":best"), num_draft_tokens=2, adaptive=False,
+                          combine="best" if method.endswith(":best") else "first")
+        result = engine.complete(PROMPT, replace(params, seed=seed), spec)
         a, b, c = result.token_ids[:3]
         pair_counts[a, b] += 1
         third_counts[c] += 1
         drafted += result.stats.drafted_tokens
+        sources |= set(result.stats.drafted_by)
     assert method == "none" or drafted > RUNS // 2  # speculation really ran (n-gram drafts only on a match)
+    if method.endswith(":best"):
+        assert sources == {"ngram", "draft"}  # the choice went both ways
     assert chi_square_passes(pair_counts, joint)
     assert chi_square_passes(third_counts, third)

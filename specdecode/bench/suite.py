@@ -16,7 +16,7 @@ from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import all_options, check_options
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
@@ -28,22 +28,28 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
 
 def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
     """'none,draft,ngram+draft:k=5;ngram_max=3' -> our method specs; '+' chains methods, ':k=N' sets the draft
-    length and ':NAME=VALUE' any drafter option (on top of `base`, the command line's settings)."""
+    length, ':guard=on|off' the speed guard, ':combine=first|best' a chain's rule and ':NAME=VALUE' any drafter
+    option (on top of `base`, the command line's settings)."""
     specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
     known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
-        k, options = base.num_draft_tokens, dict(base.options)
+        k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
         for setting in filter(None, settings.split(";")):
             key, _, value = setting.partition("=")
             if key == "k" and value.isdigit():
                 k = int(value)
+            elif key == "guard" and value in ("on", "off"):
+                guard = value == "on"
+            elif key == "combine" and value in COMBINE_RULES:
+                combine = value
             elif key in known and value:
                 options[key] = _option_value(key, value, type(known[key][1].default))
             else:
-                raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N or a drafter option "
+                raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, guard=on|off, "
+                                      f"combine={'|'.join(COMBINE_RULES)} or a drafter option "
                                       f"({', '.join(sorted(known))}) as NAME=VALUE")
-        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options)
+        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options, guard=guard, combine=combine)
         check_options(spec)
         if label in (s.name for s in specs[1:]):
             raise SpecDecodeError(f"method {label!r} is listed twice in --methods")

@@ -96,4 +96,8 @@ def stats_line(stats: GenerationStats) -> str:
     if stats.drafted_tokens:
         line += (f", acceptance {stats.acceptance_rate:.1%}, mean accepted length "
                  f"{stats.mean_accepted_length:.2f}")
+    if stats.guard_shrinks or stats.guard_pauses:
+        paused = sum(n for reason, n in stats.steps_without_draft.items() if reason.startswith("guard"))
+        line += (f", drafting measured slower than plain: shortened {stats.guard_shrinks}x, paused "
+                 f"{stats.guard_pauses}x ({paused} steps without drafts)")
     return line + "]"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, all_options
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -45,6 +45,13 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                        help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the draft length to recent acceptance (default on)")
+    group.add_argument("--combine", choices=COMBINE_RULES, default="first",
+                       help="how a chain such as ngram,draft picks each step's proposal: first (llama.cpp's rule: the "
+                       "first method with a draft) or best (the most expected tokens per second, from acceptance "
+                       "and costs measured as it runs); default first")
+    group.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                       help="never slower than plain: shrink, then pause drafting while it measures slower, and "
+                       "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded run draws)")
     for name, (cls, item) in all_options().items():
         primary = "--" + name.replace("_", "-")
         flags = [primary, *(f for f in (item.metadata["llama_cpp"], *item.metadata["cli"]) if f and f != primary)]
@@ -121,4 +128,5 @@ def drafter_options(args: argparse.Namespace) -> dict:
 
 def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
     method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
-    return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args))
+    return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
+                      combine=args.combine)

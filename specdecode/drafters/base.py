@@ -30,6 +30,7 @@ class DrafterCaps:
     emits_trees: bool = False  # may propose trees, not only chains
     block_size: int | None = None  # proposals of a fixed size (a block drafter), else the adaptive length
     needs_draft_model: bool = False  # callers must load a draft model for it
+    drafts: bool = True  # False for plain decoding: no steps to guard or explain (speed_guard.py)
 
 
 @dataclass

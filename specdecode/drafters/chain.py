@@ -1,4 +1,6 @@
-"""Combinations such as 'ngram,draft' (llama.cpp's rule): the first member with a proposal wins the step.
+"""Combinations such as 'ngram,draft'. combine="first" is llama.cpp's rule: the first member with a proposal
+wins the step. combine="best" asks the members' estimates which one promises the most tokens per second
+(step_choice.py).
 
 Every member sees every request's start, commit and finish, so a model drafter's cache follows the tokens that
 another member's draft got accepted; `result.source` tells each member whose proposal was verified.
@@ -6,17 +8,23 @@ another member's draft got accepted; `result.source` tells each member whose pro
 
 from __future__ import annotations
 
+from time import perf_counter
+
 from specdecode.config import SpecConfig
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
+from specdecode.drafters.step_choice import StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+from specdecode.tree import proposal_depth
 
 
 class ChainDrafter(Drafter):
     name = "chain"
+    clock = staticmethod(perf_counter)  # tests script it
 
-    def __init__(self, members: list[Drafter]):
+    def __init__(self, members: list[Drafter], combine: str = "first"):
         self.members = members
+        self.chooser = StepChooser([m.name for m in members]) if combine == "best" else None
         caps = [m.caps for m in members]
         self.caps = DrafterCaps(hidden_layers=tuple(sorted({i for c in caps for i in c.hidden_layers})),
                                 final_hidden=any(c.final_hidden for c in caps),
@@ -29,17 +37,53 @@ class ChainDrafter(Drafter):
             member.start(seq, prefill)
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        if self.chooser is None:
+            for member in self.members:
+                proposal = member.propose(seq, budget)
+                if proposal.size:
+                    return proposal
+            return DraftProposal.empty(self.members[-1].name)
+        proposal = self._best(seq, budget)
+        seq.drafter_state[self.name] = (self.clock(), proposal_depth(proposal), proposal.size)
+        return proposal
+
+    def _best(self, seq: Sequence, budget: int) -> DraftProposal:
+        """Deterministic members propose now (judged on their proposal); sampling members are judged on their
+        estimates and asked only if chosen, so their random drafts never influence whether they are used."""
+        candidates = []  # (promise in tokens/s, member, its proposal or None = not asked yet)
         for member in self.members:
-            proposal = member.propose(seq, budget)
+            if member.caps.emits_probs:
+                seconds = self.chooser.drafting_seconds(member.name, budget)
+                candidates.append((self.chooser.promise(member.name, budget, budget, seconds), member, None))
+                continue
+            proposal = self._timed_propose(member, seq, budget)
+            if proposal.size:
+                promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
+                candidates.append((promise, member, proposal))
+        for _, member, proposal in sorted(candidates, key=lambda c: -c[0]):
+            proposal = proposal if proposal is not None else self._timed_propose(member, seq, budget)
             if proposal.size:
                 return proposal
         return DraftProposal.empty(self.members[-1].name)
 
+    def _timed_propose(self, member: Drafter, seq: Sequence, budget: int) -> DraftProposal:
+        began = self.clock()
+        proposal = member.propose(seq, budget)
+        self.chooser.record_drafting(member.name, self.clock() - began, proposal.size)
+        return proposal
+
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        if self.chooser is not None:
+            proposed = seq.drafter_state.pop(self.name, None)  # None: the engine had no room to ask for drafts
+            if proposed is not None:
+                proposed_at, depth, nodes = proposed
+                self.chooser.record_verdict(result.source, depth, result.num_accepted, nodes,
+                                            self.clock() - proposed_at)
         for member in self.members:
             member.commit(seq, result, target)
 
     def finish(self, seq: Sequence) -> None:
+        seq.drafter_state.pop(self.name, None)
         for member in self.members:
             member.finish(seq)
 
@@ -60,4 +104,4 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
         if key not in members:
             members[key] = create_member(cls, spec, resources)
         chosen.append(members[key])
-    return chosen[0] if len(chosen) == 1 else ChainDrafter(chosen)
+    return chosen[0] if len(chosen) == 1 else ChainDrafter(chosen, spec.combine)

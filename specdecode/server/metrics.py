@@ -24,6 +24,10 @@ class ServerMetrics:
         self.drafted_per_position = Counter("specdecode_spec_drafted_per_position",
                                             "Draft tokens proposed at each draft position (0-based)",
                                             ["position"], registry=self.registry)
+        self.steps_without_draft = Counter("specdecode_spec_steps_without_draft",
+                                           "Target forwards that verified no draft, by reason (no_proposal, "
+                                           "no_room, guard_paused, guard_timing_plain)", ["reason"],
+                                           registry=self.registry)
         self.time_to_first_token = Histogram("specdecode_time_to_first_token_seconds",
                                              "From request arrival to the first generated token",
                                              buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -41,6 +45,8 @@ class ServerMetrics:
         for position, (drafted, accepted) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
             self.drafted_per_position.labels(str(position)).inc(drafted)
             self.accepted_per_position.labels(str(position)).inc(accepted)
+        for reason, count in stats.steps_without_draft.items():
+            self.steps_without_draft.labels(reason).inc(count)
         self.time_to_first_token.observe(ttft)
         if stats.new_tokens > 1:
             self.time_per_output_token.observe((total - ttft) / (stats.new_tokens - 1))

@@ -105,4 +105,5 @@ def speculative(stats: GenerationStats) -> dict:
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "accepted_per_position": list(stats.accepted_per_position),
-            "target_forwards": stats.target_forwards}
+            "target_forwards": stats.target_forwards, "steps_without_draft": dict(stats.steps_without_draft),
+            "guard_shrinks": stats.guard_shrinks, "guard_pauses": stats.guard_pauses}

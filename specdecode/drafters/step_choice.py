@@ -1,0 +1,111 @@
+"""Per-step method choice for combinations ('ngram,draft' with combine="best"): each step, the member whose
+proposal promises the most committed tokens per second of what is still to spend.
+
+llama.cpp's rule (combine="first") lets the first member with a proposal win, so an n-gram match beats the
+draft model even where the draft model would have been accepted more often. Here each member's promise is
+(expected accepted tokens + 1) / (its drafting time still to spend + the verify forward's time), from online
+estimates kept for the Engine's life: acceptance by draft position per member, drafting seconds per drafted
+token per member, and verify seconds as a line in the number of drafted nodes.
+
+Losslessness needs the choice to be made before a random draft is drawn: a member that samples its drafts
+(caps.emits_probs) is judged on its estimates alone and, once asked, its proposal is used (a choice that looked
+at sampled tokens would skew the law they were drawn from). Deterministic members (lookups) cost little, are
+asked every step, and are judged on the proposal they made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind that prior
+FORGET = 0.99  # each step every count decays: a member not chosen for long drifts back to the prior and is retried
+COST_SMOOTHING = 0.2  # weight of the newest timing in the running cost estimates
+
+
+@dataclass
+class MemberEstimate:
+    accepted: list[float] = field(default_factory=list)  # per position: decayed count of acceptances
+    examined: list[float] = field(default_factory=list)  # per position: decayed count of verdicts
+    seconds_per_token: float = 0.0  # drafting time per drafted token (0 until measured: try it once)
+
+    def acceptance(self, position: int) -> float:
+        """P(draft at `position` accepted | every earlier one was)."""
+        hits = self.accepted[position] if position < len(self.accepted) else 0.0
+        seen = self.examined[position] if position < len(self.examined) else 0.0
+        return (hits + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (seen + PRIOR_WEIGHT)
+
+    def expected_accepted(self, depth: int) -> float:
+        """Expected accepted tokens of a `depth`-deep draft: sum over positions of P(all up to it accepted)."""
+        total, survive = 0.0, 1.0
+        for position in range(depth):
+            survive *= self.acceptance(position)
+            total += survive
+        return total
+
+
+class VerifyCost:
+    """Seconds of a verify step as a + b * nodes, fitted by exponentially weighted least squares."""
+
+    def __init__(self) -> None:
+        self.weight = self.nodes = self.seconds = self.nodes_sq = self.nodes_seconds = 0.0
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        keep = 1 - COST_SMOOTHING
+        self.weight = keep * self.weight + 1
+        self.nodes = keep * self.nodes + nodes
+        self.seconds = keep * self.seconds + seconds
+        self.nodes_sq = keep * self.nodes_sq + nodes * nodes
+        self.nodes_seconds = keep * self.nodes_seconds + nodes * seconds
+
+    def predict(self, nodes: int) -> float:
+        if self.weight == 0:
+            return 0.0
+        mean_nodes, mean_seconds = self.nodes / self.weight, self.seconds / self.weight
+        variance = self.nodes_sq / self.weight - mean_nodes**2
+        # One node count seen so far: no slope to fit, every size costs the mean (rows are cheap next to weights).
+        slope = max(0.0, (self.nodes_seconds / self.weight - mean_nodes * mean_seconds) / variance) if variance > 1e-6 else 0.0
+        return max(0.0, mean_seconds + slope * (nodes - mean_nodes))
+
+
+class StepChooser:
+    """The estimates behind the choice, for one combination of one Engine (shared by its requests)."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = {name: MemberEstimate() for name in members}
+        self.verify = VerifyCost()
+
+    def promise(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> float:
+        """Committed tokens per second a proposal `depth` deep with `nodes` nodes is expected to give."""
+        spent = draft_seconds_left + self.verify.predict(nodes)
+        tokens = self.members[member].expected_accepted(depth) + 1
+        return tokens / spent if spent > 0 else float("inf")
+
+    def drafting_seconds(self, member: str, tokens: int) -> float:
+        return self.members[member].seconds_per_token * tokens
+
+    def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
+        if tokens:
+            estimate = self.members[member]
+            per_token = seconds / tokens
+            first = estimate.seconds_per_token == 0.0
+            estimate.seconds_per_token = per_token if first else (
+                estimate.seconds_per_token + COST_SMOOTHING * (per_token - estimate.seconds_per_token))
+
+    def record_verdict(self, member: str, depth: int, accepted: int, nodes: int, verify_seconds: float) -> None:
+        """After the target judged `member`'s proposal: `accepted` of its `depth` positions kept."""
+        for estimate in self.members.values():
+            estimate.accepted = [FORGET * x for x in estimate.accepted]
+            estimate.examined = [FORGET * x for x in estimate.examined]
+        self.verify.observe(nodes, verify_seconds)
+        if member not in self.members or depth == 0:
+            return
+        estimate = self.members[member]
+        examined = min(depth, accepted + 1)  # positions after the first rejection were never judged
+        missing = examined - len(estimate.examined)
+        if missing > 0:
+            estimate.accepted += [0.0] * missing
+            estimate.examined += [0.0] * missing
+        for position in range(examined):
+            estimate.examined[position] += 1
+            estimate.accepted[position] += position < accepted

@@ -1,0 +1,161 @@
+"""Per-step method choice on scripted drafters whose acceptance and cost are known, the estimates behind it,
+and the engine: greedy output unchanged with combine="best"."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+from conftest import save_tiny_model
+
+from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.drafters.base import Drafter, DrafterCaps
+from specdecode.drafters.chain import ChainDrafter
+from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
+from specdecode.models.loader import load_model
+from specdecode.spec_types import DraftProposal, VerifyResult
+
+VERIFY_SECONDS = 1.0  # a scripted target forward, whatever the number of drafted nodes
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Scripted(Drafter):
+    """Proposes `budget` tokens at `seconds_per_token` each; each is accepted with probability `acceptance`."""
+
+    caps: ClassVar[DrafterCaps] = DrafterCaps()
+
+    def __init__(self, name: str, clock: FakeClock, seconds_per_token: float, acceptance: float, samples: bool):
+        self.name, self.clock, self.seconds_per_token, self.acceptance = name, clock, seconds_per_token, acceptance
+        self.caps = DrafterCaps(emits_probs=samples)
+        self.asked = 0
+
+    def propose(self, seq, budget: int) -> DraftProposal:
+        self.asked += 1
+        self.clock.now += self.seconds_per_token * budget
+        return DraftProposal.chain([1] * budget, source=self.name)
+
+
+def simulate(chain: ChainDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0) -> dict:
+    """Script `steps` steps through the chain; -> tokens per second and how often each member won."""
+    rng = random.Random(seed)
+    members = {m.name: m for m in chain.members}
+    seq = SimpleNamespace(drafter_state={})
+    began, committed, wins = clock.now, 0, dict.fromkeys(members, 0)
+    for _ in range(steps):
+        proposal = chain.propose(seq, budget)
+        clock.now += VERIFY_SECONDS
+        accepted = 0
+        while accepted < proposal.size and rng.random() < members[proposal.source].acceptance:
+            accepted += 1
+        chain.commit(seq, VerifyResult(list(range(accepted)), [1] * (accepted + 1), proposal.source), None)
+        committed += accepted + 1
+        wins[proposal.source] += 1
+    return {"rate": committed / (clock.now - began), "wins": wins}
+
+
+def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float):
+    clock = FakeClock()
+    lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
+    model = Scripted("model", clock, model_cost, model_acceptance, samples=True)
+    chain = ChainDrafter([lookup, model], combine)
+    chain.clock = clock
+    return chain, clock
+
+
+def test_best_prefers_the_model_when_its_drafts_pay_more_than_the_lookups():
+    """The case first-wins gets wrong: lookups always have a proposal but are rarely accepted."""
+    first, first_clock = make_chain("first", lookup_acceptance=0.2, model_acceptance=0.9, model_cost=0.05)
+    best, best_clock = make_chain("best", lookup_acceptance=0.2, model_acceptance=0.9, model_cost=0.05)
+    first_run, best_run = simulate(first, first_clock, 600), simulate(best, best_clock, 600)
+    assert first_run["wins"]["lookup"] == 600  # llama.cpp's rule never lets the model draft
+    assert best_run["wins"]["model"] > 0.9 * 600
+    assert best_run["rate"] > 1.5 * first_run["rate"]
+
+
+def test_best_keeps_the_free_lookups_when_they_are_accepted():
+    best, clock = make_chain("best", lookup_acceptance=0.9, model_acceptance=0.9, model_cost=0.2)
+    run = simulate(best, clock, 600)
+    assert run["wins"]["lookup"] > 0.9 * 600
+    model = best.members[1]
+    assert model.asked < 0.1 * 600  # the costly member is not asked when it would not be used
+
+
+def test_best_is_never_far_below_the_better_single_member():
+    for lookup_acceptance, model_acceptance, model_cost in [(0.2, 0.9, 0.05), (0.9, 0.6, 0.2), (0.5, 0.7, 0.1)]:
+        rates = []
+        for combine in ("best", "first"):
+            chain, clock = make_chain(combine, lookup_acceptance, model_acceptance, model_cost)
+            rates.append(simulate(chain, clock, 800)["rate"])
+        alone = []
+        for member in ("lookup", "model"):
+            clock = FakeClock()
+            acceptance, cost = (lookup_acceptance, 0.001) if member == "lookup" else (model_acceptance, model_cost)
+            single = ChainDrafter([Scripted(member, clock, cost, acceptance, samples=member == "model")], "best")
+            single.clock = clock
+            alone.append(simulate(single, clock, 800)["rate"])
+        assert rates[0] >= 0.93 * max(alone), (lookup_acceptance, model_acceptance, rates, alone)
+
+
+def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():
+    """Losslessness: whether a sampled draft is used must not depend on what was sampled."""
+    chain, clock = make_chain("best", lookup_acceptance=0.5, model_acceptance=0.99, model_cost=0.01)
+    seq = SimpleNamespace(drafter_state={})
+    for _ in range(50):
+        before = chain.members[1].asked
+        proposal = chain.propose(seq, 4)
+        if chain.members[1].asked > before:
+            assert proposal.source == "model"
+        chain.commit(seq, VerifyResult([], [1], proposal.source), None)
+
+
+def test_estimates():
+    estimate = MemberEstimate()
+    assert estimate.acceptance(0) == PRIOR_ACCEPTANCE
+    assert estimate.expected_accepted(2) == pytest.approx(0.5 + 0.25)
+    estimate.accepted, estimate.examined = [98.0], [98.0]
+    assert estimate.acceptance(0) == pytest.approx(0.99) and estimate.acceptance(1) == PRIOR_ACCEPTANCE
+    cost = VerifyCost()
+    assert cost.predict(3) == 0.0
+    for nodes in [0, 2, 4, 8] * 10:
+        cost.observe(nodes, 0.02 + 0.005 * nodes)
+    assert cost.predict(6) == pytest.approx(0.05) and cost.predict(0) == pytest.approx(0.02)
+    flat = VerifyCost()
+    for _ in range(5):
+        flat.observe(3, 0.04)
+    assert flat.predict(8) == pytest.approx(0.04)
+
+
+def test_a_bad_rule_is_one_clear_error():
+    with pytest.raises(SpecDecodeError, match="combine must be one of first, best"):
+        SpecConfig("ngram,draft", combine="fastest")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("choice")
+    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
+    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
+    return Engine(target, draft)
+
+
+@pytest.mark.parametrize("method", ["ngram,draft", "draft,ngram", "suffix,draft", "ngram,suffix"])
+def test_greedy_output_is_plain_decoding_with_combine_best(engine, method):
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    spec = SpecConfig(method, combine="best", guard=False)
+    sources = set()
+    for prompt in ["1 2 3 1 2 3 1 2", "hello hello hello", "The quick brown fox"]:
+        plain = engine.complete(prompt, sampling, SpecConfig("none"))
+        result = engine.complete(prompt, sampling, spec)
+        assert result.token_ids == plain.token_ids, (method, prompt)
+        sources |= set(result.stats.drafted_by)
+    assert sources  # drafts were verified
+    assert engine.drafter(spec) is not engine.drafter(SpecConfig(method))  # each rule keeps its own estimates
