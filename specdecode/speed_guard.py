@@ -17,7 +17,7 @@ off (`--no-guard`) does nothing a seeded request draws depend on timing.
 
 from __future__ import annotations
 
-WINDOW = 8  # drafting steps measured per verdict: about a third of a second on the default pair
+WINDOW = 8  # drafting steps measured per verdict: about half a second on the default pair (w4a8)
 FIRST_PAUSE = 16  # steps without drafts after the first failed probe
 MAX_PAUSE = 256  # the pause doubles with every failed probe up to this
 PLAIN_SMOOTHING = 0.2  # weight of the newest plain step in the running estimate of its time

@@ -92,6 +92,27 @@ def tiny_models(tmp_path_factory):
     return {arch: save_tiny_model(root / arch, arch) for arch in TINY_CONFIGS}
 
 
+@pytest.fixture(scope="session")
+def noisy_pair(tmp_path_factory):
+    """A tiny float32 target and a noisy copy of it as the draft: they agree often but not always."""
+    from specdecode.models.loader import load_model
+
+    root = tmp_path_factory.mktemp("pair")
+    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
+    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
+    return target, draft
+
+
+class FakeClock:
+    """A clock tests move by hand (the engine's and a chain's timings, scripted)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One torch thread for modules making thousands of calls on tiny tensors.

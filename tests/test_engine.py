@@ -16,12 +16,8 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny target and a noisy copy of it as the draft: they agree often but not always."""
-    root = tmp_path_factory.mktemp("pair")
-    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
-    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
-    return target, draft
+def pair(noisy_pair):
+    return noisy_pair
 
 
 @pytest.fixture(scope="module")

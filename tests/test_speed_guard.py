@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from conftest import save_tiny_model
+from conftest import FakeClock
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.models.loader import load_model
 from specdecode.speed_guard import FIRST_PAUSE, MAX_PAUSE, WINDOW, PlainStepClock, SpeedGuard
 
 PLAIN_SECONDS = 1.0
@@ -76,20 +75,9 @@ def test_a_disabled_guard_changes_nothing():
     assert set(result["budgets"]) == {4} and guard.shrinks == guard.pauses == 0
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guard")
-    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
-    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
-    return Engine(target, draft)
+def engine(noisy_pair):
+    return Engine(*noisy_pair)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "ngram,draft"])

@@ -8,24 +8,15 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
-from conftest import save_tiny_model
+from conftest import FakeClock
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterCaps
 from specdecode.drafters.chain import ChainDrafter
 from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
-from specdecode.models.loader import load_model
 from specdecode.spec_types import DraftProposal, VerifyResult
 
 VERIFY_SECONDS = 1.0  # a scripted target forward, whatever the number of drafted nodes
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Scripted(Drafter):
@@ -140,11 +131,8 @@ def test_a_bad_rule_is_one_clear_error():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("choice")
-    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
-    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
-    return Engine(target, draft)
+def engine(noisy_pair):
+    return Engine(*noisy_pair)
 
 
 @pytest.mark.parametrize("method", ["ngram,draft", "draft,ngram", "suffix,draft", "ngram,suffix"])
