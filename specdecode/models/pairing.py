@@ -1,0 +1,69 @@
+"""Which models can draft for a target: the same vocabulary (the rule `draft` enforces) and fewer weights.
+
+Read from headers and tokenizer files only, no weights loaded: a GGUF file's token list and tensor shapes, a
+folder's tokenizer and config.json. LM Studio's pairing advice does the same from its catalogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, status
+from specdecode.models.formats.gguf_header import TOKENS_KEY, read_header
+
+# Above this share of the target's weights a draft rarely pays: each drafted token costs too much of a step.
+MAX_USEFUL_RATIO = 0.5
+
+
+@dataclass
+class ModelFacts:
+    name: str
+    parameters: int
+    tokens: list[str]
+
+
+@dataclass
+class Pairing:
+    candidate: ModelFacts
+    ratio: float  # the candidate's parameters over the target's
+    can_draft: bool  # `draft` accepts it (same vocabulary, smaller)
+    note: str
+
+
+def model_facts(name: str) -> ModelFacts:
+    """A default name (assembled if needed), a .gguf file or a model folder -> its size and vocabulary."""
+    path = assemble(DEFAULT_MODELS[name], quiet=False) if name in DEFAULT_MODELS else Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        header = read_header(path, with_tokens=True)
+        if header.tokens is None:
+            raise SpecDecodeError(f"{path} has no vocabulary ({TOKENS_KEY} is missing)")
+        return ModelFacts(name, header.parameters, header.tokens)
+    if path.is_dir() and (path / "config.json").is_file():
+        from specdecode.models.loader import read_config  # the loader pulls in torch models; only folders need it
+        from specdecode.tokenizer import Tokenizer
+
+        config = read_config(path)
+        return ModelFacts(name, config.parameter_count, Tokenizer.from_folder(path, config).token_strings())
+    raise SpecDecodeError(f"unknown model {name!r}: not a default name ({', '.join(DEFAULT_MODELS)}), "
+                          "nor a .gguf file or a model folder with config.json")
+
+
+def installed_defaults() -> list[str]:
+    """The default models whose packages are installed (those not assembled yet are, with progress bars)."""
+    return [name for name, model in DEFAULT_MODELS.items() if status(model) != "parts missing"]
+
+
+def pair(target: ModelFacts, candidate: ModelFacts) -> Pairing:
+    ratio = candidate.parameters / target.parameters if target.parameters else float("inf")
+    if candidate.tokens != target.tokens:
+        shared = min(len(candidate.tokens), len(target.tokens))
+        first = next((i for i in range(shared) if candidate.tokens[i] != target.tokens[i]), shared)
+        return Pairing(candidate, ratio, False, f"vocabulary differs ({len(candidate.tokens)} tokens against "
+                                                f"{len(target.tokens)}, first at id {first})")
+    if ratio >= 1:
+        return Pairing(candidate, ratio, False, "not smaller than the target")
+    if ratio > MAX_USEFUL_RATIO:
+        return Pairing(candidate, ratio, True, "same vocabulary, but over half the target's size: unlikely to pay")
+    return Pairing(candidate, ratio, True, "same vocabulary")
