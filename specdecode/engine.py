@@ -207,8 +207,14 @@ class Engine:
 
     def finish(self, seq: Sequence) -> None:
         """The request ended (or was dropped): the drafter lets go of its state for it."""
+        seq.stats.kv_cache_bytes = seq.cache.nbytes
+        seq.stats.drafter_request_bytes = seq.drafter.request_bytes(seq)
         seq.drafter.finish(seq)
         seq.stats.drafter_cache_bytes = seq.drafter.cache_bytes()
+
+    def drafter_cache_bytes(self) -> int:
+        """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""
+        return sum(member.cache_bytes() for member in self._members.values())
 
     def _forward(self, seq: Sequence, inputs: ForwardInputs, logits_at: slice | None = None) -> TargetOutput:
         """One target forward, with the hidden states the sequence's drafter reads; batch dimension removed."""

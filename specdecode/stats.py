@@ -25,6 +25,8 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     drafter_cache_bytes: int = 0  # the drafter's cross-request caches once this request finished
+    kv_cache_bytes: int = 0  # the target's KV cache for this request (allocated for prompt + max_tokens)
+    drafter_request_bytes: int = 0  # the drafter's state for this request (a draft model's KV cache)
     # Forwards that verified no draft, by why: "no_proposal" (the drafter found nothing), "no_room" (the token
     # budget or context allowed none), "guard_paused" / "guard_timing_plain" (speed_guard.py).
     steps_without_draft: dict[str, int] = field(default_factory=dict)
@@ -116,6 +118,8 @@ class GenerationStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
             "drafter_cache_bytes": self.drafter_cache_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "drafter_request_bytes": self.drafter_request_bytes,
             "steps_without_draft": dict(self.steps_without_draft),
             "guard_shrinks": self.guard_shrinks,
             "guard_pauses": self.guard_pauses,
@@ -139,5 +143,7 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
             total.accepted_by[source] = total.accepted_by.get(source, 0) + part.accepted_by.get(source, 0)
         for reason, count in part.steps_without_draft.items():
             total.steps_without_draft[reason] = total.steps_without_draft.get(reason, 0) + count
-    total.drafter_cache_bytes = max((part.drafter_cache_bytes for part in parts), default=0)  # one cache, not a sum
+    # One cache, not a sum; requests ran one after another, so the largest one's memory is the peak.
+    for name in ("drafter_cache_bytes", "kv_cache_bytes", "drafter_request_bytes"):
+        setattr(total, name, max((getattr(part, name) for part in parts), default=0))
     return total

@@ -193,3 +193,20 @@ def test_drafters_are_created_once_and_their_number_is_bounded(pair, monkeypatch
     engine.check_spec(SpecConfig("draft"))  # known: no new drafter
     with pytest.raises(SpecDecodeError, match="already serves 4 distinct speculative configurations"):
         engine.check_spec(SpecConfig("ngram", ngram_max=3))
+
+
+def test_memory_in_stats_is_sized_to_the_request(engine):
+    """The target's KV cache holds prompt + max_tokens (+ a step's drafts), not the model's whole context."""
+    prompt = "hello hello hello"
+    sizes = {}
+    for max_tokens in (8, 72):
+        result = engine.complete(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), SpecConfig("draft"))
+        sizes[max_tokens] = result.stats
+    config = engine.target.config
+    per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 + 8  # fp32 keys, values; position
+    slots = {n: s.kv_cache_bytes / per_slot for n, s in sizes.items()}
+    assert slots[72] - slots[8] == 64  # exactly the extra tokens asked for
+    assert slots[72] < engine.context_limit / 2
+    assert sizes[8].drafter_request_bytes > 0 and sizes[8].to_dict()["kv_cache_bytes"] == sizes[8].kv_cache_bytes
+    lookup = engine.complete(prompt, SamplingParams(max_tokens=8, ignore_eos=True), SpecConfig("ngram")).stats
+    assert lookup.drafter_request_bytes == 0 and lookup.kv_cache_bytes > 0

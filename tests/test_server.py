@@ -282,8 +282,11 @@ def test_models_health_and_metrics_endpoints(served):
     assert status == 200 and headers["content-type"].startswith("text/plain")
     for name in ("specdecode_requests_total", "specdecode_generation_tokens_total",
                  "specdecode_spec_drafted_tokens_total", "specdecode_time_to_first_token_seconds_bucket",
-                 "specdecode_active_requests", "specdecode_queued_requests"):
+                 "specdecode_active_requests", "specdecode_queued_requests", "specdecode_request_memory_bytes_bucket",
+                 "specdecode_drafter_cache_bytes"):
         assert name.encode() in raw
+    weights = [line for line in raw.decode().splitlines() if line.startswith('specdecode_weights_bytes{model="target"}')]
+    assert len(weights) == 1 and float(weights[0].split()[-1]) > 0
 
 
 BAD_REQUESTS = [

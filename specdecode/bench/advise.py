@@ -60,9 +60,7 @@ def trial(engine: Engine, questions: list[Question], methods: list[MethodSpec],
 
 def _weights_bytes(engine: Engine, method: MethodSpec) -> int:
     models = [engine.target] + ([engine.draft] if needs_draft_model(method.spec) else [])
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # tied weights counted once
-                for m in models for t in m.model.state_dict().values()}
-    return sum(storages.values())
+    return sum(m.weights_bytes for m in models)
 
 
 def command_line(ranked: Ranked, model_flags: list[str]) -> str:

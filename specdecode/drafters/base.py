@@ -93,3 +93,7 @@ class Drafter:
     def cache_bytes(self) -> int:
         """Memory held by caches that outlive a request (reported in stats; weights are not counted)."""
         return 0
+
+    def request_bytes(self, seq: Sequence) -> int:
+        """Memory this request's state holds in the drafter (a draft model's KV cache), while it runs."""
+        return 0

@@ -93,6 +93,9 @@ class ChainDrafter(Drafter):
     def cache_bytes(self) -> int:
         return sum(member.cache_bytes() for member in self.members)
 
+    def request_bytes(self, seq: Sequence) -> int:
+        return sum(member.request_bytes(seq) for member in self.members)
+
 
 def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[tuple, Drafter]) -> Drafter:
     """The drafter for `spec`, its members taken from (or added to) `members`, so that each distinct drafter

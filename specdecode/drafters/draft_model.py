@@ -82,6 +82,10 @@ class DraftModelDrafter(Drafter):
         logits = self._catch_up(seq, cache)  # [V]
         return self._tree(seq, cache, logits, budget) if self.tree else self._chain(seq, cache, logits, budget)
 
+    def request_bytes(self, seq: Sequence) -> int:
+        cache = seq.drafter_state.get(self.name)
+        return cache.nbytes if cache is not None else 0
+
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         # Keep only cached tokens that were accepted; everything after them is overwritten next time.
         cache = seq.drafter_state[self.name]

@@ -34,6 +34,11 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache holds, allocated for its whole capacity."""
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
     def check_room(self, new_tokens: int) -> None:
         if max(self.lengths) + new_tokens > self.capacity:
             raise SpecDecodeError(

@@ -43,6 +43,13 @@ class LoadedModel:
     def config(self) -> ModelConfig:
         return self.model.config
 
+    @property
+    def weights_bytes(self) -> int:
+        """Memory its weights hold (tied weights counted once; quantized codes at their packed size)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.model.state_dict().values()}
+        return sum(storages.values())
+
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):

@@ -45,6 +45,7 @@ class ServerSettings:
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     scheduler = Scheduler(engine, settings.max_active, settings.max_queued)
     metrics = ServerMetrics()
+    weights = {role: m.weights_bytes for role, m in (("target", engine.target), ("draft", engine.draft)) if m}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,7 +74,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(*scheduler.load), media_type="text/plain; version=0.0.4")
+        body = metrics.render(*scheduler.load, weights, engine.drafter_cache_bytes())
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:

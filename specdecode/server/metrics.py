@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from specdecode.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 36, 2))  # 1 MiB to 16 GiB, by fours
 
 
 class ServerMetrics:
@@ -34,6 +35,14 @@ class ServerMetrics:
         self.time_per_output_token = Histogram("specdecode_time_per_output_token_seconds",
                                                "Mean time per generated token after the first, per request",
                                                buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_memory = Histogram("specdecode_request_memory_bytes",
+                                        "Memory a request held: the target's KV cache and the drafter's state for it",
+                                        buckets=MEMORY_BUCKETS, registry=self.registry)
+        self.weights = Gauge("specdecode_weights_bytes", "Memory the models' weights hold", ["model"],
+                             registry=self.registry)
+        self.drafter_caches = Gauge("specdecode_drafter_cache_bytes",
+                                    "Memory of the drafters' caches that outlive requests (suffix's responses)",
+                                    registry=self.registry)
         self.active = Gauge("specdecode_active_requests", "Requests being generated", registry=self.registry)
         self.queued = Gauge("specdecode_queued_requests", "Requests waiting for a slot", registry=self.registry)
 
@@ -47,11 +56,16 @@ class ServerMetrics:
             self.accepted_per_position.labels(str(position)).inc(accepted)
         for reason, count in stats.steps_without_draft.items():
             self.steps_without_draft.labels(reason).inc(count)
+        self.request_memory.observe(stats.kv_cache_bytes + stats.drafter_request_bytes)
         self.time_to_first_token.observe(ttft)
         if stats.new_tokens > 1:
             self.time_per_output_token.observe((total - ttft) / (stats.new_tokens - 1))
 
-    def render(self, active: int, queued: int) -> bytes:
+    def render(self, active: int, queued: int, weights: dict[str, int], drafter_caches: int) -> bytes:
+        """`weights`: model role -> bytes; `drafter_caches`: bytes of the caches that outlive requests."""
         self.active.set(active)
         self.queued.set(queued)
+        for role, size in weights.items():
+            self.weights.labels(role).set(size)
+        self.drafter_caches.set(drafter_caches)
         return generate_latest(self.registry)
