@@ -51,7 +51,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                        "and costs measured as it runs); default first")
     group.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                        help="never slower than plain: shrink, then pause drafting while it measures slower, and "
-                       "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded run draws)")
+                       "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded "
+                       "run draws)")
     for name, (cls, item) in all_options().items():
         primary = "--" + name.replace("_", "-")
         flags = [primary, *(f for f in (item.metadata["llama_cpp"], *item.metadata["cli"]) if f and f != primary)]

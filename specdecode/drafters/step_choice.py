@@ -64,7 +64,8 @@ class VerifyCost:
         mean_nodes, mean_seconds = self.nodes / self.weight, self.seconds / self.weight
         variance = self.nodes_sq / self.weight - mean_nodes**2
         # One node count seen so far: no slope to fit, every size costs the mean (rows are cheap next to weights).
-        slope = max(0.0, (self.nodes_seconds / self.weight - mean_nodes * mean_seconds) / variance) if variance > 1e-6 else 0.0
+        covariance = self.nodes_seconds / self.weight - mean_nodes * mean_seconds
+        slope = max(0.0, covariance / variance) if variance > 1e-6 else 0.0
         return max(0.0, mean_seconds + slope * (nodes - mean_nodes))
 
 
