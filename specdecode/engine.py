@@ -134,6 +134,7 @@ class Engine:
                 new_ids = self.step(seq)
             seq.stats.new_tokens = seq.generated
             seq.stats.total_seconds = perf_counter() - started
+            self._record_request_end(seq)  # before the last event: a server reads its stats before finish runs
             yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, seq.stats,
                                   self._newest_logprobs(seq, new_ids))
         finally:
@@ -200,17 +201,22 @@ class Engine:
             seq.stats.record_undrafted(withheld or ("no_room" if wanted <= 0 else "no_proposal"))
         ended = perf_counter()
         seq.guard.observe(ended - began, len(result.tokens), proposal.size)
-        seq.stats.guard_shrinks, seq.stats.guard_pauses = seq.guard.shrinks, seq.guard.pauses
         seq.stats.draft_seconds += proposed - began
         seq.stats.verify_seconds += ended - proposed
         return result.tokens
 
     def finish(self, seq: Sequence) -> None:
         """The request ended (or was dropped): the drafter lets go of its state for it."""
-        seq.stats.kv_cache_bytes = seq.cache.nbytes
-        seq.stats.drafter_request_bytes = seq.drafter.request_bytes(seq)
+        self._record_request_end(seq)
         seq.drafter.finish(seq)
         seq.stats.drafter_cache_bytes = seq.drafter.cache_bytes()
+
+    @staticmethod
+    def _record_request_end(seq: Sequence) -> None:
+        """Stats known once a request stops stepping: its memory and what the speed guard did."""
+        seq.stats.kv_cache_bytes = seq.cache.nbytes
+        seq.stats.drafter_request_bytes = seq.drafter.request_bytes(seq)
+        seq.stats.guard_shrinks, seq.stats.guard_pauses = seq.guard.shrinks, seq.guard.pauses
 
     def drafter_cache_bytes(self) -> int:
         """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""

@@ -210,3 +210,11 @@ def test_memory_in_stats_is_sized_to_the_request(engine):
     assert sizes[8].drafter_request_bytes > 0 and sizes[8].to_dict()["kv_cache_bytes"] == sizes[8].kv_cache_bytes
     lookup = engine.complete(prompt, SamplingParams(max_tokens=8, ignore_eos=True), SpecConfig("ngram")).stats
     assert lookup.drafter_request_bytes == 0 and lookup.kv_cache_bytes > 0
+
+
+def test_the_last_event_carries_the_request_end_stats(engine):
+    """A server reads the last event's stats before it closes the generator (and before finish runs)."""
+    events = engine.generate("hello hello hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecConfig("draft"))
+    last = next(event for event in events if event.finish_reason is not None)  # the generator is not closed yet
+    assert last.stats.kv_cache_bytes > 0 and last.stats.drafter_request_bytes > 0
+    events.close()
