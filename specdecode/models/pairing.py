@@ -7,10 +7,8 @@ folder's tokenizer and config.json. LM Studio's pairing advice does the same fro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, status
+from specdecode.models.formats.default_models import DEFAULT_MODELS, status
 from specdecode.models.formats.gguf_header import TOKENS_KEY, read_header
 
 # Above this share of the target's weights a draft rarely pays: each drafted token costs too much of a step.
@@ -34,20 +32,18 @@ class Pairing:
 
 def model_facts(name: str) -> ModelFacts:
     """A default name (assembled if needed), a .gguf file or a model folder -> its size and vocabulary."""
-    path = assemble(DEFAULT_MODELS[name], quiet=False) if name in DEFAULT_MODELS else Path(name).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    # Here, not at the top: the loader imports torch, and `specdecode models` without --drafts-for needs none.
+    from specdecode.models.loader import read_config, resolve_source
+    from specdecode.tokenizer import Tokenizer
+
+    path = resolve_source(name, quiet=False)  # a .gguf file or a folder with config.json, or a clear error
+    if path.is_file():
         header = read_header(path, with_tokens=True)
         if header.tokens is None:
             raise SpecDecodeError(f"{path} has no vocabulary ({TOKENS_KEY} is missing)")
         return ModelFacts(name, header.parameters, header.tokens)
-    if path.is_dir() and (path / "config.json").is_file():
-        from specdecode.models.loader import read_config  # the loader pulls in torch models; only folders need it
-        from specdecode.tokenizer import Tokenizer
-
-        config = read_config(path)
-        return ModelFacts(name, config.parameter_count, Tokenizer.from_folder(path, config).token_strings())
-    raise SpecDecodeError(f"unknown model {name!r}: not a default name ({', '.join(DEFAULT_MODELS)}), "
-                          "nor a .gguf file or a model folder with config.json")
+    config = read_config(path)
+    return ModelFacts(name, config.parameter_count, Tokenizer.from_folder(path, config).token_strings())
 
 
 def installed_defaults() -> list[str]:
