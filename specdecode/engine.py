@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from time import perf_counter
 
 import torch
@@ -54,7 +55,9 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
-                 context_limit: int | None = None):
+                 context_limit: int | None = None, draft_path: str | Path | None = None):
+        """`draft`: a draft model (method 'draft'); `draft_path`: the weights of a drafter with its own format
+        (an EAGLE-3 head folder), read by that drafter when a spec first uses it."""
         self.target = target
         self.draft = draft
         self.spec = spec or SpecConfig()
@@ -64,7 +67,8 @@ class Engine:
             raise SpecDecodeError(f"the context limit must be a positive number of tokens (None: the model's "
                                   f"{model_limit}), got {context_limit!r}")
         self.context_limit = model_limit if context_limit is None else min(context_limit, model_limit)
-        self.resources = DrafterResources(target, draft, self.context_limit)
+        self.resources = DrafterResources(target, draft, self.context_limit,
+                                          None if draft_path is None else str(draft_path))
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request

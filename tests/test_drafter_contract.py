@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import TINY_VOCAB, save_tiny_model
+from eagle3_reference import head_config, random_head, write_head
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -47,17 +48,31 @@ def test_every_tree_capable_drafter_says_how_to_make_trees():
         assert bool(cls.tree_options) == cls.caps.emits_trees, name
 
 
+def eagle3_head(folder, target, vocab: int):
+    """A random EAGLE-3 head whose draft vocabulary is the tokens the target emits most on the test prompts,
+    as the reference builds its draft vocabulary from the target's outputs (so drafts are sometimes right)."""
+    draft_ids = None
+    if vocab > 16:
+        plain = Engine(target)
+        counts = torch.bincount(torch.tensor([t for p in PROMPTS for t in plain.complete(p, greedy()).token_ids]),
+                                minlength=vocab)
+        draft_ids = sorted(counts.topk(6).indices.tolist())
+    weights = random_head(target.config.hidden_size, vocab, draft_ids=draft_ids, scale=0.3)
+    return write_head(folder, weights, head_config(weights, vocab, "reference"), "reference")
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """The target, a noisy copy as the draft model, the target's folder, and an EAGLE-3 head for it."""
     root = tmp_path_factory.mktemp("contract")
     target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
     draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
-    return target, draft, root / "target"
+    return target, draft, root / "target", eagle3_head(root / "eagle3", target, TINY_VOCAB)
 
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    return Engine(pair[0], pair[1])
+    return Engine(pair[0], pair[1], draft_path=pair[3])
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -83,7 +98,7 @@ def w4a8_engine(pair):
     reason = w4a8_unavailable()
     if reason is not None:
         pytest.skip(f"w4a8 cannot run on this machine: {reason}")
-    return Engine(load_model(pair[2], dtype="bfloat16", quant="w4a8"), pair[1])
+    return Engine(load_model(pair[2], dtype="bfloat16", quant="w4a8"), pair[1], draft_path=pair[3])
 
 
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
@@ -99,7 +114,7 @@ def small_vocab_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("contract-vocab8")
     target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), dtype="float32")
     draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB), dtype="float32")
-    return Engine(target, draft)
+    return Engine(target, draft, draft_path=eagle3_head(root / "eagle3", target, VOCAB))
 
 
 @pytest.mark.usefixtures("single_thread")

@@ -96,7 +96,8 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
     (suffix's responses) then holds only that method's own earlier answers, not another method's answer to the
     question being measured, nor the warm-up's."""
     def fresh(reference: Engine) -> Engine:
-        return Engine(reference.target, reference.draft, reference.spec, context_limit=reference.context_limit)
+        return Engine(reference.target, reference.draft, reference.spec, context_limit=reference.context_limit,
+                      draft_path=reference.resources.draft_path)
 
     factories: dict[str, RunnerFactory] = {
         m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}

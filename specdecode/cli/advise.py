@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.bench.advise import command_line, default_candidates, prompts_as_questions, trial
     from specdecode.bench.datasets import load_questions
     from specdecode.bench.suite import parse_methods
-    from specdecode.drafters import needs_draft_model
+    from specdecode.drafters import needs_draft_files, needs_draft_model
     from specdecode.engine import Engine
 
     if args.max_tokens < 1 or args.limit < 1:
@@ -54,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
     base = spec_from_args(args, has_draft=draft_name is not None)
     candidates = args.candidates or default_candidates(draft_name is not None)
     methods = parse_methods(candidates, base)  # a mistake fails now, before the models load
-    needs_draft = any(needs_draft_model(m.spec) for m in methods)
-    target, draft = load_models(args, draft_name if needs_draft else None, quiet=args.json)
-    engine = Engine(target, draft, context_limit=args.context)
+    draft_name, draft_path = draft_sources(args, any(needs_draft_model(m.spec) for m in methods),
+                                           any(needs_draft_files(m.spec) for m in methods))
+    target, draft = load_models(args, draft_name, quiet=args.json)
+    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path)
     ranking = trial(engine, questions, methods, sampling)
 
     best = ranking[0]

@@ -9,7 +9,7 @@ from specdecode.bench.datasets import load_questions
 from specdecode.bench.suite import parse_methods, run_bench
 from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
                                     draft_quant, load_models, sampling_from_args, spec_from_args)
-from specdecode.drafters import needs_draft_model
+from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     methods = parse_methods(args.methods, spec_from_args(args, has_draft=True))
     needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
-    target, draft = load_models(args, default_draft_name(args) if needs_draft else None)
-    engine = Engine(target, draft, context_limit=args.context)
+    draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))
+    target, draft = load_models(args, draft_name)
+    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path)
     for method in methods:
         engine.check_spec(method.spec)
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),

@@ -9,7 +9,7 @@ import sys
 
 from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
 from specdecode.config import SamplingParams
-from specdecode.drafters import needs_draft_model
+from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
@@ -52,12 +52,12 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature <= 0:
         raise SpecDecodeError("--temperature must be above 0: the distribution test samples")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    draft_name = default_draft_name(args)
-    spec = spec_from_args(args, has_draft=draft_name is not None)
+    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
     if spec.method == "none":
         raise SpecDecodeError("--spec-type none is plain decoding: there is nothing to check")
-    target, draft = load_models(args, draft_name if needs_draft_model(spec) else None, quiet=args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context)
+    draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
+    target, draft = load_models(args, draft_name, quiet=args.json)
+    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
 
     say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts")

@@ -7,9 +7,9 @@ import json
 import sys
 
 from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
-                                    load_models, sampling_from_args, spec_from_args)
+                                    draft_sources, load_models, sampling_from_args, spec_from_args)
 from specdecode.config import SpecConfig
-from specdecode.drafters import needs_draft_model
+from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
@@ -40,12 +40,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     sampling = sampling_from_args(args)
-    draft_name = default_draft_name(args)
-    spec = spec_from_args(args, has_draft=draft_name is not None)
-    if not needs_draft_model(spec):
-        draft_name = None  # no need to load a model nobody drafts with
+    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
+    draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
     target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context)
+    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
 
     token_ids: list[int] = []
     text: list[str] = []

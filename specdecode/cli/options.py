@@ -20,6 +20,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help=f"target: a default name, a .gguf file or a model folder (default {DEFAULT_TARGET})")
     group.add_argument("--draft-model", help=f"draft model for --spec-type draft (default {DEFAULT_DRAFT} "
                        "when --model is not given)")
+    group.add_argument("--draft-head", help="weights of a drafter with a format of its own, e.g. an EAGLE-3 head "
+                       "folder for --spec-type eagle3 (there --draft-model PATH works too, unless a draft model "
+                       "is used as well)")
     group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
     group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -86,6 +89,18 @@ def check_model_args(args: argparse.Namespace) -> None:
 def default_draft_name(args: argparse.Namespace) -> str | None:
     """--draft-model, or the default draft when the target is the default one too."""
     return args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
+
+
+def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_files: bool
+                  ) -> tuple[str | None, str | None]:
+    """(the draft model to load, or None; the path a drafter reads its own weights from, or None)."""
+    path = args.draft_head
+    if spec_needs_files and path is None:
+        if spec_needs_model:
+            raise SpecDecodeError("these methods need both a draft model and a drafter's own weights: give the "
+                                  "draft model with --draft-model and the head with --draft-head PATH")
+        path = args.draft_model
+    return (default_draft_name(args) if spec_needs_model else None), path
 
 
 def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):

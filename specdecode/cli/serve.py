@@ -8,9 +8,10 @@ import socket
 import sys
 from dataclasses import replace
 
-from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
+                                    spec_from_args)
 from specdecode.config import SpecConfig
-from specdecode.drafters import needs_draft_model
+from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.drafters.registry import DRAFTERS, all_options, check_options, with_serve_defaults
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
@@ -83,18 +84,22 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
     public_routes = check_serve_args(args)
-    draft_name = default_draft_name(args)
-    spec = spec_from_args(args, has_draft=draft_name is not None)
+    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
-        draft_name = named_draft or draft_name
+        if named_draft is not None:  # vLLM's "model": a draft model, or the folder of an EAGLE-3 head
+            if needs_draft_files(spec):
+                args.draft_head = named_draft
+            else:
+                args.draft_model = named_draft
     spec = with_serve_defaults(spec)
     check_options(spec)
     listening = listening_socket(args.host, args.port)  # before minutes of loading, not after
     with listening:
-        needs_draft = needs_draft_model(spec) or args.allow_draft_override
-        target, draft = load_models(args, draft_name if needs_draft else None)
-        engine = Engine(target, draft, spec, context_limit=args.context)
+        draft_name, draft_path = draft_sources(args, needs_draft_model(spec) or args.allow_draft_override,
+                                               needs_draft_files(spec))
+        target, draft = load_models(args, draft_name)
+        engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
         settings = ServerSettings(
             model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,

@@ -30,7 +30,8 @@ class ChainDrafter(Drafter):
                                 final_hidden=any(c.final_hidden for c in caps),
                                 emits_probs=any(c.emits_probs for c in caps),
                                 emits_trees=any(c.emits_trees for c in caps),
-                                needs_draft_model=any(c.needs_draft_model for c in caps))
+                                needs_draft_model=any(c.needs_draft_model for c in caps),
+                                draft_files=any(c.draft_files for c in caps))
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         for member in self.members:

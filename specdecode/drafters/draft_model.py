@@ -14,7 +14,7 @@ import torch
 
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.dynamic_tree import DynamicTree
+from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
@@ -123,25 +123,19 @@ class DraftModelDrafter(Drafter):
         model, width = self.draft.model, self.options.draft_tree_width
         prefix = cache.lengths[0]  # every committed token; the tree's levels go after it and are dropped after
         tree = DynamicTree(width)
-        tree.add_children(-1, self._log_probs(logits[None], seq), 0.0)
+        tree.add_children(-1, tree_log_probs(logits[None], seq.sampling), 0.0)
         for depth in range(2, budget + 1):
             expand = tree.best_of_depth(depth - 1)
             inputs = torch.tensor([[tree.tokens[n] for n in expand]], device=model.device)  # [1, W]
             positions = torch.full_like(inputs, len(seq.tokens) - 2 + depth)  # [1, W]: depth d-1 sits at root + d-1
             mask = tree.feed(expand).to(model.device).unsqueeze(0)  # [1, W, fed + W]
             out = model(inputs, positions, cache, attn_mask=mask).logits[0]  # [W, V_draft]
-            log_probs = self._log_probs(self._to_target_vocab(out), seq)  # [W, V]
+            log_probs = tree_log_probs(self._to_target_vocab(out), seq.sampling)  # [W, V]
             for row, node in enumerate(expand):
                 tree.add_children(node, log_probs[row : row + 1], tree.scores[node])
         cache.truncate(prefix)
         tokens, parents = tree.select(self.options.draft_tree_nodes)
         return DraftProposal(torch.tensor(tokens), torch.tensor(parents), None, self.name)
-
-    def _log_probs(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """logits [R, V] -> log q [R, V] under the request's sampling transform (greedy: the plain softmax)."""
-        if seq.sampling.greedy:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return logits_to_probs(logits, seq.sampling).log()
 
     def _catch_up(self, seq: Sequence, cache: KVCache) -> torch.Tensor:
         """Feed every committed token not yet in the draft cache in one forward; -> next-token logits [V].

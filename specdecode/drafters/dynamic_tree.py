@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.config import SamplingParams
+from specdecode.sampling import logits_to_probs
+
 
 class DynamicTree:
     def __init__(self, width: int):
@@ -58,3 +61,11 @@ class DynamicTree:
         chosen = sorted(self._ranked(range(len(self.tokens)))[:budget])  # creation order is topological
         index = {node: i for i, node in enumerate(chosen)}
         return [self.tokens[n] for n in chosen], [index.get(self.parents[n], -1) for n in chosen]
+
+
+def tree_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """logits [R, V] -> log q [R, V], the scores tree children are ranked by: under the request's sampling
+    transform (greedy: the plain softmax), so a token the transform removes is never a child."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return logits_to_probs(logits, sampling).log()

@@ -74,6 +74,12 @@ def needs_draft_model(spec: SpecConfig) -> bool:
     return any(DRAFTERS[m].caps.needs_draft_model for m in validate_method(spec))
 
 
+def needs_draft_files(spec: SpecConfig) -> bool:
+    """Whether a method of `spec` reads its own weights from --draft-model PATH (an EAGLE-3 head), so callers
+    pass the path instead of loading it as a model."""
+    return any(DRAFTERS[m].caps.draft_files for m in validate_method(spec))
+
+
 def options_for(cls: type[Drafter], spec: SpecConfig) -> Any:
     """The drafter's own options from the spec (defaults for the rest), checked."""
     return _build_options(cls, dict(spec.options))

@@ -165,7 +165,7 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         new = tokens.shape[1]
         cache.check_room(new)
-        mask = self._mask(positions, cache, attn_mask)
+        mask = attention_mask(positions, cache, attn_mask, self.config.sliding_window)
         cos, sin = self.rope.lookup(positions)
         cache.record_positions(positions)
         x = self.embed(tokens)  # [B, T, hidden]
@@ -184,33 +184,36 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x)).float()  # [B, T', V]
         return ForwardOutput(logits, hidden)
 
-    def _mask(
-        self, positions: torch.Tensor, cache: KVCache, tree: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """[B, 1, T, S] bool over the slots a query may see: all earlier slots plus its own new tokens."""
-        batch, new = positions.shape
-        window = self.config.sliding_window
-        used = max(cache.lengths) + new
-        uniform = len(set(cache.lengths)) == 1
-        needs_window = window is not None and used > window
-        if new == 1 and uniform and tree is None and not needs_window:
-            return None  # one new token per sequence sees every cached slot
-        device = positions.device
-        starts = torch.tensor(cache.lengths, device=device).view(batch, 1, 1)  # [B, 1, 1] first new slot
-        relative = torch.arange(used, device=device).view(1, 1, used) - starts  # [B, 1, S] index among new
-        query = torch.arange(new, device=device).view(1, new, 1)  # [1, T, 1] each query's index among new
-        if tree is None:
-            visible = relative <= query  # [B, T, S]: causal over new tokens, all of the past
-        else:
-            covered = tree.shape[2]  # R trailing cached slots + the T new ones
-            column = relative + (covered - new)  # [B, 1, S] index into the mask's columns; < 0 = older past
-            in_mask = (column >= 0) & (relative < new)  # [B, 1, S]
-            tree_cols = tree.gather(2, column.clamp(0, covered - 1).expand(batch, new, used))  # [B, T, S]
-            visible = (column < 0) | (in_mask & tree_cols)
-        if needs_window:
-            key_positions = cache.positions[:, :used].unsqueeze(1)  # [B, 1, S], new slots filled below
-            key_positions = key_positions.clone()
-            for b, start in enumerate(cache.lengths):
-                key_positions[b, 0, start : start + new] = positions[b]
-            visible = visible & (key_positions > positions.unsqueeze(2) - window)
-        return visible.unsqueeze(1)
+
+def attention_mask(positions: torch.Tensor, cache: KVCache, tree: torch.Tensor | None,
+                   window: int | None = None) -> torch.Tensor | None:
+    """[B, 1, T, S] bool over the slots a query may see: all earlier slots plus its own new tokens.
+
+    positions [B, T] of the new tokens; tree [B, T, R+T] (see Transformer.forward's attn_mask) or None = causal;
+    window: a sliding window in positions, or None. None back means every cached slot (one new token each).
+    """
+    batch, new = positions.shape
+    used = max(cache.lengths) + new
+    uniform = len(set(cache.lengths)) == 1
+    needs_window = window is not None and used > window
+    if new == 1 and uniform and tree is None and not needs_window:
+        return None  # one new token per sequence sees every cached slot
+    device = positions.device
+    starts = torch.tensor(cache.lengths, device=device).view(batch, 1, 1)  # [B, 1, 1] first new slot
+    relative = torch.arange(used, device=device).view(1, 1, used) - starts  # [B, 1, S] index among new
+    query = torch.arange(new, device=device).view(1, new, 1)  # [1, T, 1] each query's index among new
+    if tree is None:
+        visible = relative <= query  # [B, T, S]: causal over new tokens, all of the past
+    else:
+        covered = tree.shape[2]  # R trailing cached slots + the T new ones
+        column = relative + (covered - new)  # [B, 1, S] index into the mask's columns; < 0 = older past
+        in_mask = (column >= 0) & (relative < new)  # [B, 1, S]
+        tree_cols = tree.gather(2, column.clamp(0, covered - 1).expand(batch, new, used))  # [B, T, S]
+        visible = (column < 0) | (in_mask & tree_cols)
+    if needs_window:
+        key_positions = cache.positions[:, :used].unsqueeze(1)  # [B, 1, S], new slots filled below
+        key_positions = key_positions.clone()
+        for b, start in enumerate(cache.lengths):
+            key_positions[b, 0, start : start + new] = positions[b]
+        visible = visible & (key_positions > positions.unsqueeze(2) - window)
+    return visible.unsqueeze(1)

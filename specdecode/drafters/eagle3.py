@@ -1,0 +1,185 @@
+"""EAGLE-3: a one-layer head reads three of the target's hidden states and drafts from them (models/eagle3_head.py).
+
+Alignment (as the reference and vLLM): the head's row for position p pairs the target's features of token p
+with the embedding of token p+1, at rope position p, and predicts token p+2. After each step the head reads the
+target's features along the accepted path (the root and each accepted node), so its cache holds rows for every
+committed position but the last; its output there proposes the first draft token. Later draft steps feed back
+the head's own output hidden state at the next position; those rows are dropped at commit, when the target's
+true features replace them.
+
+Chains by default; with `eagle3_tree_nodes` an EAGLE-2 dynamic tree (dynamic_tree.py), one head forward per depth.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import MAX_DRAFT_TOKENS
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
+from specdecode.drafters.registry import register
+from specdecode.errors import SpecDecodeError
+from specdecode.models.eagle3_head import Eagle3Head
+from specdecode.models.kv_cache import KVCache
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Eagle3Options:
+    eagle3_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)")
+    eagle3_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node")
+
+    def check(self) -> None:
+        if not 0 <= self.eagle3_tree_nodes <= MAX_DRAFT_TOKENS:
+            raise SpecDecodeError(f"eagle3_tree_nodes must be between 0 and {MAX_DRAFT_TOKENS}, "
+                                  f"got {self.eagle3_tree_nodes}")
+        if not 1 <= self.eagle3_tree_width <= 16:
+            raise SpecDecodeError(f"eagle3_tree_width must be between 1 and 16, got {self.eagle3_tree_width}")
+
+
+@dataclass
+class Eagle3State:
+    """One request's head state."""
+
+    cache: KVCache  # the head's one-layer cache: rows for positions 0..fed-1, then a proposal's rows
+    fed: int  # committed positions the head has read
+    pending: torch.Tensor  # [R, H] fused target features of positions fed..fed+R-1, not read yet
+    logits: torch.Tensor | None = None  # [Vd] the head's output at its last committed row: the next draft
+    hidden: torch.Tensor | None = None  # [H] the hidden state that row feeds back
+
+
+@register
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+    caps = DrafterCaps(emits_probs=True, emits_trees=True, draft_files=True)
+    Options = Eagle3Options
+    aliases = ("draft-eagle3",)
+    vllm_method = "eagle3"
+    tree_options = {"eagle3_tree_nodes": 8, "eagle3_tree_width": 3}
+
+    def __init__(self, head: Eagle3Head, target_vocab: int, options: Eagle3Options):
+        self.head = head
+        self.target_vocab = target_vocab
+        self.options = options
+        # A head over the full vocabulary in the target's order needs no mapping.
+        self.maps_vocab = not torch.equal(head.draft_to_target.cpu(), torch.arange(target_vocab))
+        self.caps = DrafterCaps(hidden_layers=head.config.layer_ids, emits_probs=True, emits_trees=True,
+                                draft_files=True)
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options: Eagle3Options) -> Eagle3Drafter:
+        from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
+
+        if resources.draft_path is None:
+            raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
+                                  "config.json and safetensors weights)")
+        target = resources.target.model
+        head, description = load_eagle3_head(resources.draft_path, target, resources.context_limit + MAX_DRAFT_TOKENS)
+        log.info("%s", description)
+        return cls(head, target.config.vocab_size, options)
+
+    @property
+    def tree(self) -> bool:
+        return self.options.eagle3_tree_nodes > 0
+
+    def max_nodes(self, budget: int) -> int:
+        return self.options.eagle3_tree_nodes if self.tree else budget
+
+    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        slack = seq.draft_length.maximum * (self.options.eagle3_tree_width if self.tree else 1)
+        state = Eagle3State(self.head.new_cache(seq.capacity + slack), 0, self._features(prefill))
+        seq.drafter_state[self.name] = state
+        self._read_pending(seq, state)  # the prompt now, in the prefill phase
+
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        state = seq.drafter_state[self.name]
+        self._read_pending(seq, state)
+        return self._tree(seq, state, budget) if self.tree else self._chain(seq, state, budget)
+
+    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        state = seq.drafter_state[self.name]
+        state.cache.truncate(state.fed)  # a proposal's rows go; the target's features of the path come in
+        state.pending = torch.cat([state.pending, self._features(target)])
+
+    def request_bytes(self, seq: Sequence) -> int:
+        state = seq.drafter_state.get(self.name)
+        return state.cache.nbytes if state is not None else 0
+
+    def _features(self, target: TargetOutput) -> torch.Tensor:
+        """The target's rows -> fused features [T, H] (fc applied once per committed position)."""
+        with torch.inference_mode():
+            return self.head.fuse([target.hidden[i] for i in self.head.config.layer_ids])
+
+    def _read_pending(self, seq: Sequence, state: Eagle3State) -> None:
+        """Feed every committed position the head has not read, in one forward."""
+        rows = state.pending.shape[0]
+        if rows == 0:
+            return
+        device = self.head.device
+        tokens = torch.tensor([seq.tokens[state.fed + 1 : state.fed + 1 + rows]], device=device)  # [1, R]
+        positions = torch.arange(state.fed, state.fed + rows, device=device).unsqueeze(0)  # [1, R]
+        with torch.inference_mode():
+            logits, hidden = self.head(tokens, state.pending.unsqueeze(0), positions, state.cache)
+        state.fed += rows
+        state.pending = state.pending[:0]
+        state.logits, state.hidden = logits[0, -1], hidden[0, -1]  # [Vd], [H]
+
+    def _chain(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        logits, hidden = state.logits, state.hidden  # [Vd], [H]
+        device = self.head.device
+        for i in range(budget):
+            full = self._target_logits(logits)  # [V]
+            if seq.sampling.greedy:
+                token = int(full.argmax())
+            else:
+                q = logits_to_probs(full, seq.sampling)  # [V]: the law the draft token is drawn from
+                token = int(sample(q, seq.generator))
+                rows.append(q)
+            tokens.append(token)
+            if i + 1 < budget:
+                step = torch.tensor([[token]], device=device)  # [1, 1]
+                position = torch.tensor([[len(seq.tokens) - 1 + i]], device=device)  # [1, 1]
+                with torch.inference_mode():
+                    out, fed_back = self.head(step, hidden.view(1, 1, -1), position, state.cache)
+                logits, hidden = out[0, -1], fed_back[0, -1]
+        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
+        return DraftProposal.chain(tokens, torch.stack(rows) if rows else None, self.name)
+
+    def _tree(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
+        """Top-k children are deterministic drafts (no q): verification uses the one-hot rule, in sampling too."""
+        device, width = self.head.device, self.options.eagle3_tree_width
+        tree = DynamicTree(width)
+        tree.add_children(-1, tree_log_probs(self._target_logits(state.logits)[None], seq.sampling), 0.0)
+        fed_back = {-1: state.hidden}  # node -> the hidden its children's rows read ([H]); -1 = the root
+        for depth in range(2, budget + 1):
+            expand = tree.best_of_depth(depth - 1)
+            inputs = torch.tensor([[tree.tokens[n] for n in expand]], device=device)  # [1, W]
+            hidden = torch.stack([fed_back[tree.parents[n]] for n in expand]).unsqueeze(0)  # [1, W, H]
+            # A depth-d node's row sits one position after its parent's; depth 1 right after the committed rows.
+            positions = torch.full_like(inputs, len(seq.tokens) - 3 + depth)  # [1, W]
+            mask = tree.feed(expand).to(device).unsqueeze(0)  # [1, W, fed + W]
+            with torch.inference_mode():
+                out, back = self.head(inputs, hidden, positions, state.cache, attn_mask=mask)
+            log_probs = tree_log_probs(self._target_logits(out[0]), seq.sampling)  # [W, V]
+            for row, node in enumerate(expand):
+                fed_back[node] = back[0, row]
+                tree.add_children(node, log_probs[row : row + 1], tree.scores[node])
+        tokens, parents = tree.select(self.options.eagle3_tree_nodes)
+        return DraftProposal(torch.tensor(tokens), torch.tensor(parents), None, self.name)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> [..., V]: tokens outside the draft vocabulary get -inf, so q stays
+        the law drafts follow and they are never drafted."""
+        if not self.maps_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        full[..., self.head.draft_to_target] = logits
+        return full

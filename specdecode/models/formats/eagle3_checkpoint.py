@@ -1,0 +1,223 @@
+"""EAGLE-3 heads as users have them, read into our Eagle3Head; and our heads written in the reference layout.
+
+Layouts read (facts and sources in ../shared/notes/drafter-formats.md, section 1):
+- reference (SafeAILab/EAGLE, AngelSlim): `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`; no layer ids in
+  config.json, so the reference's hard-coded (2, L//2, L-3) apply;
+- speculators (vLLM's RedHatAI heads): `layers.0.*`, the layer's config nested in `transformer_layer_config`,
+  top-level `eagle_aux_hidden_state_layer_ids` in vLLM's convention (a boundary id, used as is);
+- SpecForge / SGLang: `eagle_config.eagle_aux_hidden_state_layer_ids`, read with SGLang's rule since its
+  PR #25454: ids starting at 1 are "output of layer k" (+1 to our boundary ids), others are boundary ids.
+A top-level id list wins over a nested one, as in vLLM. Only safetensors are read here: a head that ships only
+`pytorch_model.bin` needs `specdecode convert` first (pickles are never loaded implicitly).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.models.formats.weight_source import FolderWeights
+from specdecode.models.model_config import ModelConfig
+from specdecode.models.transformer import Transformer
+
+# Published names of the one decoder layer (after "midlayer." / "layers.0.") -> ours; q/k/v and gate/up are fused.
+LAYER_NAMES = {"hidden_norm.weight": "layer.hidden_norm.weight", "input_layernorm.weight": "layer.input_norm.weight",
+               "post_attention_layernorm.weight": "layer.mlp_norm.weight",
+               "self_attn.o_proj.weight": "layer.attn.o.weight", "self_attn.o_proj.bias": "layer.attn.o.bias",
+               "mlp.down_proj.weight": "layer.mlp.down.weight", "mlp.down_proj.bias": "layer.mlp.down.bias"}
+FUSED = {"layer.attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "layer.mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")}
+TOP_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
+             "embed_tokens.weight": "embed.weight", "input_norm.weight": "fused_norm.weight"}
+# Published tensors we know and do not need: training-only buffers and copies of the verifier's own weights.
+UNUSED = {"t2d", "verifier_lm_head.weight", "verifier_norm.weight"}
+
+
+def load_eagle3_head(path: str | Path, target: Transformer, max_positions: int) -> tuple[Eagle3Head, str]:
+    """The head in `path` (a folder), checked against `target`, in the target's dtype and device -> (head, one
+    line saying what was loaded)."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise SpecDecodeError(f"{path} is not an EAGLE-3 head folder (no config.json)")
+    try:
+        hf = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SpecDecodeError(f"{config_file} is not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise SpecDecodeError(f"{config_file} must hold a JSON object")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+        if pickled:
+            raise SpecDecodeError(f"{folder} ships only {pickled[0]} (a pickle, never loaded implicitly); run "
+                                  f"'specdecode convert {folder}' once to write model.safetensors beside it")
+        raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
+    tensors = _our_tensors(FolderWeights(files), folder)
+    config, layout = _config(hf, tensors, target, folder)
+    head = Eagle3Head(config, target.embed, None if config.own_head else target.lm_head)
+    d2t = tensors.pop("d2t", None)
+    expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise SpecDecodeError(f"{folder}: the EAGLE-3 head lacks {', '.join(missing[:3])}")
+    for name, tensor in tensors.items():
+        if name not in expected:
+            raise SpecDecodeError(f"{folder}: unexpected tensor {name!r} for this head's config")
+        if tuple(tensor.shape) != expected[name]:
+            raise SpecDecodeError(f"{folder}: {name} has shape {tuple(tensor.shape)}, the config implies "
+                                  f"{expected[name]}")
+    head.load_state_dict(tensors)
+    head.to(dtype=target.dtype, device=target.device)
+    if d2t is not None:
+        head.draft_to_target = _draft_to_target(d2t, config, folder).to(target.device)
+    head.finish_loading(max_positions)
+    head.requires_grad_(False)
+    ids = ", ".join(map(str, config.layer_ids))
+    vocab = f"draft vocabulary {config.draft_vocab_size}" if config.own_head else "the target's output head"
+    return head, f"EAGLE-3 head {folder.name} ({layout} layout, reads target boundaries {ids}, {vocab})"
+
+
+def _our_tensors(weights: FolderWeights, folder: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor under our module's names (q/k/v and gate/up concatenated), d2t kept as is."""
+    stored = weights.names()
+    layers = {name.split(".")[1] for name in stored if name.startswith("layers.")}
+    if layers - {"0"}:
+        raise SpecDecodeError(f"{folder}: a head of {len(layers)} decoder layers; we run one-layer EAGLE-3 heads")
+    ours: dict[str, torch.Tensor] = {}
+    local = {}
+    for name in stored:
+        if name in UNUSED:
+            continue
+        if name == "d2t":
+            ours["d2t"] = weights.get(name)
+        elif name in TOP_NAMES:
+            ours[TOP_NAMES[name]] = weights.get(name)
+        elif name.startswith("fc_norm."):
+            ours["fc_norms." + name.removeprefix("fc_norm.")] = weights.get(name)
+        elif name.startswith(("midlayer.", "layers.0.")):
+            local[name.split(".", 1)[1] if name.startswith("midlayer.") else name.split(".", 2)[2]] = name
+        else:
+            raise SpecDecodeError(f"{folder}: unknown tensor {name!r} for an EAGLE-3 head")
+    for short, name in local.items():
+        if short in LAYER_NAMES:
+            ours[LAYER_NAMES[short]] = weights.get(name)
+        elif not any(short.startswith(part + ".") for parts in FUSED.values() for part in parts):
+            raise SpecDecodeError(f"{folder}: unknown tensor {name!r} for an EAGLE-3 head")
+    for fused, parts in FUSED.items():
+        for kind in ("weight", "bias"):
+            present = [f"{part}.{kind}" in local for part in parts]
+            if any(present) and not all(present):
+                raise SpecDecodeError(f"{folder}: the head has only some of {', '.join(parts)} ({kind})")
+            if all(present):
+                ours[f"{fused}.{kind}"] = torch.cat([weights.get(local[f"{part}.{kind}"]) for part in parts])
+    return ours
+
+
+def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, folder: Path) -> tuple[Eagle3Config, str]:
+    speculators = "transformer_layer_config" in hf or "speculators_config" in hf
+    layer_hf = hf.get("transformer_layer_config", hf) if speculators else hf
+    if not isinstance(layer_hf, dict):
+        raise SpecDecodeError(f"{folder}: transformer_layer_config must be a JSON object")
+    for name in ("fc.weight", "layer.attn.qkv.weight", "layer.mlp.gate_up.weight"):
+        if name not in tensors:
+            raise SpecDecodeError(f"{folder}: not an EAGLE-3 head (no {name.replace('layer.', 'midlayer.')})")
+    hidden, fused = tensors["fc.weight"].shape
+    tc = target.config
+    declared_width = hf.get("target_hidden_size")
+    if declared_width not in (None, tc.hidden_size) or fused % tc.hidden_size:
+        width = f"hidden size {declared_width}" if declared_width else f"features of another width (fc reads {fused})"
+        raise SpecDecodeError(f"{folder}: this EAGLE-3 head was trained for a target of {width}; this target's "
+                              f"hidden size is {tc.hidden_size}")
+    vocab = layer_hf.get("vocab_size", hf.get("vocab_size"))
+    if vocab is not None and vocab != tc.vocab_size:
+        raise SpecDecodeError(f"{folder}: this EAGLE-3 head was trained for a vocabulary of {vocab} tokens; this "
+                              f"target has {tc.vocab_size}")
+    heads = layer_hf.get("num_attention_heads")
+    if type(heads) is not int or heads < 1:
+        raise SpecDecodeError(f"{folder}: config.json needs num_attention_heads (a positive integer)")
+    head_dim, kv_heads = _attention_shape(tensors, heads, layer_hf, folder)
+    layer = ModelConfig.from_hf({
+        "model_type": "llama", "vocab_size": tc.vocab_size, "hidden_size": hidden,
+        "intermediate_size": tensors["layer.mlp.gate_up.weight"].shape[0] // 2, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": layer_hf.get("rms_norm_eps", 1e-6), "rope_theta": layer_hf.get("rope_theta", 10000.0),
+        "rope_scaling": layer_hf.get("rope_scaling"), "max_position_embeddings": tc.max_position_embeddings,
+        "attention_bias": "layer.attn.qkv.bias" in tensors, "mlp_bias": "layer.mlp.down.bias" in tensors})
+    if layer.o_bias != ("layer.attn.o.bias" in tensors):
+        raise SpecDecodeError(f"{folder}: q/k/v and o_proj must all have biases or none")
+    ids, convention = _layer_ids(hf, fused // tc.hidden_size, tc.num_layers, folder)
+    own_embedding = "embed.weight" in tensors
+    if not own_embedding and hidden != tc.hidden_size:
+        raise SpecDecodeError(f"{folder}: the head's width {hidden} differs from the target's {tc.hidden_size}, so it "
+                              "needs its own embed_tokens, which the checkpoint lacks")
+    own_head = "lm_head.weight" in tensors
+    draft_vocab = tensors["lm_head.weight"].shape[0] if own_head else tc.vocab_size
+    if own_head and "d2t" not in tensors and draft_vocab != tc.vocab_size:
+        raise SpecDecodeError(f"{folder}: lm_head has {draft_vocab} rows but there is no d2t table mapping them to "
+                              f"the target's {tc.vocab_size} tokens")
+    config = Eagle3Config(
+        layer=layer, target_hidden_size=tc.hidden_size, draft_vocab_size=draft_vocab, layer_ids=ids,
+        norm_before_residual=bool(hf.get("norm_before_residual", speculators)),  # vLLM's default per layout
+        norm_output=bool(hf.get("norm_output", False)), norm_before_fc=bool(hf.get("norm_before_fc", False)),
+        fc_norm=bool(hf.get("fc_norm", False)), own_embedding=own_embedding, own_head=own_head,
+        logit_scale=float(hf.get("logit_scale", 1.0)))
+    layout = "speculators" if speculators else {"top-level": "vLLM", "nested": "SpecForge/SGLang",
+                                                 "default": "reference"}[convention]
+    return config, layout
+
+
+def _attention_shape(tensors: dict, heads: int, layer_hf: dict, folder: Path) -> tuple[int, int]:
+    """(head_dim, kv heads) from the weights: the reference ignores a config's head_dim, the weights cannot lie."""
+    qkv_rows = tensors["layer.attn.qkv.weight"].shape[0]
+    q_rows = tensors["layer.attn.o.weight"].shape[1]
+    if q_rows % heads:
+        raise SpecDecodeError(f"{folder}: o_proj's {q_rows} inputs are not a multiple of {heads} heads")
+    head_dim = q_rows // heads
+    kv_rows = (qkv_rows - q_rows) // 2
+    if kv_rows < head_dim or kv_rows % head_dim:
+        raise SpecDecodeError(f"{folder}: k_proj/v_proj rows ({kv_rows}) do not fit heads of {head_dim}")
+    kv_heads = kv_rows // head_dim
+    declared = layer_hf.get("num_key_value_heads")
+    if declared not in (None, kv_heads):
+        raise SpecDecodeError(f"{folder}: config says {declared} key/value heads, the weights hold {kv_heads}")
+    return head_dim, kv_heads
+
+
+def _layer_ids(hf: dict, count: int, num_layers: int, folder: Path) -> tuple[tuple[int, ...], str]:
+    """Our boundary ids (HF hidden_states index) for the fused states, and which convention gave them."""
+    top = hf.get("eagle_aux_hidden_state_layer_ids")
+    nested = hf.get("eagle_config") if isinstance(hf.get("eagle_config"), dict) else {}
+    if top:
+        ids, convention = top, "top-level"
+    elif nested.get("eagle_aux_hidden_state_layer_ids"):
+        ids = nested["eagle_aux_hidden_state_layer_ids"]
+        convention = "nested"
+        if isinstance(ids, list) and ids and ids[0] == 1:  # "output of layer k" (SGLang's rule, PR #25454)
+            ids = [i + 1 if type(i) is int else i for i in ids]
+    else:
+        ids, convention = [2, num_layers // 2, num_layers - 3], "default"
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise SpecDecodeError(f"{folder}: eagle_aux_hidden_state_layer_ids must be a list of integers, got {ids!r}")
+    if len(ids) != count:
+        raise SpecDecodeError(f"{folder}: the head's fc reads {count} target states but its config names "
+                              f"{len(ids)} layers ({ids})")
+    if not all(0 <= i <= num_layers for i in ids) or len(set(ids)) != len(ids):
+        raise SpecDecodeError(f"{folder}: target layer ids {ids} must be distinct and within this target's "
+                              f"{num_layers} layers; the head was trained for another target")
+    return tuple(sorted(ids)), convention  # fc's column blocks follow capture order, which is ascending
+
+
+def _draft_to_target(d2t: torch.Tensor, config: Eagle3Config, folder: Path) -> torch.Tensor:
+    """d2t offsets [Vd] -> target ids [Vd], checked to fall in the target's vocabulary."""
+    if d2t.dim() != 1 or d2t.numel() != config.draft_vocab_size or d2t.is_floating_point():
+        raise SpecDecodeError(f"{folder}: d2t must be {config.draft_vocab_size} integers (one per lm_head row), "
+                              f"got {tuple(d2t.shape)} {d2t.dtype}")
+    ids = torch.arange(config.draft_vocab_size) + d2t.long()  # [Vd]
+    if int(ids.min()) < 0 or int(ids.max()) >= config.layer.vocab_size:
+        raise SpecDecodeError(f"{folder}: d2t maps draft ids outside the target's {config.layer.vocab_size} tokens")
+    return ids
