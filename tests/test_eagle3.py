@@ -207,3 +207,43 @@ def test_command_line_and_vllm_forms(target8, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["stats"]["method"] == "eagle3" and len(report["token_ids"]) == 6
     assert main([*common, "--draft-head", str(folder), "--spec-type", "eagle3,draft", "--draft-model", model]) == 0
+
+
+@pytest.mark.parametrize("variant", ["norm_before_fc", "fc_norm", "norm_output"])
+def test_speculators_variants(target8, tmp_path, variant):
+    """speculators' options: one RMSNorm over the concatenated states (`input_norm`), one per state
+    (`fc_norm.{i}`), and feeding back the normed output ("EAGLE 3.1")."""
+    target, target_folder = target8
+    weights = random_head(HIDDEN, TINY_VOCAB, draft_ids=DRAFT_IDS)
+    generator = torch.Generator().manual_seed(7)
+    if variant == "norm_before_fc":
+        weights["input_norm.weight"] = 0.5 + torch.rand(3 * HIDDEN, generator=generator)
+    elif variant == "fc_norm":
+        weights.update({f"fc_norm.{i}.weight": 0.5 + torch.rand(HIDDEN, generator=generator) for i in range(3)})
+    config = head_config(weights, TINY_VOCAB, "speculators", LAYER_IDS["speculators"], norm_before_residual=False,
+                         **{variant: True})
+    head, _ = load_eagle3_head(write_head(tmp_path / variant, weights, config, "speculators"), target.model, 512)
+    states = [state[0] for state in hf_states(target_folder, [4, 8, 15, 16, 23])]
+    features = [states[i] for i in LAYER_IDS["speculators"]]
+
+    def rms(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    if variant == "fc_norm":
+        features_in = [rms(f, weights[f"fc_norm.{i}.weight"]) for i, f in enumerate(features)]
+    else:
+        features_in = features
+    concatenated = torch.cat(features_in, dim=-1)
+    if variant == "norm_before_fc":
+        concatenated = rms(concatenated, weights["input_norm.weight"])
+    with torch.inference_mode():
+        fused = head.fuse(features)
+        assert torch.allclose(fused, concatenated @ weights["fc.weight"].T, atol=1e-4)
+        reference = ReferenceHead(weights, target.model.embed.weight.detach())
+        tokens = [8, 15, 16, 23, 42]
+        logits, fed_back = head(torch.tensor([tokens]), fused.unsqueeze(0), torch.arange(5).unsqueeze(0),
+                                head.new_cache(8))
+        expected, out = reference.step(tokens, fused, list(range(5)))
+    assert torch.allclose(logits[0], expected, atol=1e-4)
+    expected_back = rms(out, weights["norm.weight"]) if variant == "norm_output" else out
+    assert torch.allclose(fed_back[0], expected_back, atol=1e-4)
