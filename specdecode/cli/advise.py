@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
+                                    spec_from_args)
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 

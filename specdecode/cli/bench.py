@@ -7,8 +7,8 @@ from pathlib import Path
 
 from specdecode.bench.datasets import load_questions
 from specdecode.bench.suite import parse_methods, run_bench
-from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
-                                    draft_quant, load_models, sampling_from_args, spec_from_args)
+from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, draft_quant, draft_sources,
+                                    load_models, sampling_from_args, spec_from_args)
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError

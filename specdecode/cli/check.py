@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from specdecode.cli.options import add_model_args, add_spec_args, default_draft_name, load_models, spec_from_args
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
+                                    spec_from_args)
 from specdecode.config import SamplingParams
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
