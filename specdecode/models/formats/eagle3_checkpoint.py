@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Config, Eagle3Head
@@ -79,7 +80,7 @@ def load_eagle3_head(path: str | Path, target: Transformer, max_positions: int) 
     head.requires_grad_(False)
     ids = ", ".join(map(str, config.layer_ids))
     vocab = f"draft vocabulary {config.draft_vocab_size}" if config.own_head else "the target's output head"
-    return head, f"EAGLE-3 head {folder.name} ({layout} layout, reads target boundaries {ids}, {vocab})"
+    return head, f"EAGLE-3 head {folder.name} ({layout}: target boundaries {ids}; {vocab})"
 
 
 def _our_tensors(weights: FolderWeights, folder: Path) -> dict[str, torch.Tensor]:
@@ -166,8 +167,9 @@ def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, fol
         norm_output=bool(hf.get("norm_output", False)), norm_before_fc=bool(hf.get("norm_before_fc", False)),
         fc_norm=bool(hf.get("fc_norm", False)), own_embedding=own_embedding, own_head=own_head,
         logit_scale=float(hf.get("logit_scale", 1.0)))
-    layout = "speculators" if speculators else {"top-level": "vLLM", "nested": "SpecForge/SGLang",
-                                                 "default": "reference"}[convention]
+    layout = "speculators" if speculators else ("SpecForge/SGLang" if convention == "nested" else "reference")
+    layout += {"top-level": ", layer ids from its config", "nested": ", layer ids by SGLang's rule",
+               "default": ", the reference's default layer ids"}[convention]
     return config, layout
 
 
@@ -221,3 +223,50 @@ def _draft_to_target(d2t: torch.Tensor, config: Eagle3Config, folder: Path) -> t
     if int(ids.min()) < 0 or int(ids.max()) >= config.layer.vocab_size:
         raise SpecDecodeError(f"{folder}: d2t maps draft ids outside the target's {config.layer.vocab_size} tokens")
     return ids
+
+
+def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig) -> Path:
+    """Write `head` in the reference layout with explicit layer ids, the form vLLM, SGLang, the speculators
+    converter and llama.cpp's converter all read (drafter-formats.md, section 6): `midlayer.*` names, d2t
+    offsets and the t2d mask, `draft_vocab_size` written out, ids in vLLM's convention both top-level and in
+    `eagle_config` (a first id of 2 or more reads the same under SGLang's rule). The embedding is the target's
+    and is not written."""
+    config = head.config
+    if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
+        raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
+                              "are written in the reference layout")
+    layer = config.layer
+    ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
+    qkv = ours.pop("layer.attn.qkv.weight")
+    q_rows = layer.num_heads * layer.head_dim
+    kv_rows = layer.num_kv_heads * layer.head_dim
+    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)
+    published = {"midlayer.self_attn.q_proj.weight": qkv[:q_rows],
+                 "midlayer.self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
+                 "midlayer.self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
+                 "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up}
+    by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
+    by_ours.update({ours_name: "midlayer." + name for name, ours_name in LAYER_NAMES.items()})
+    published.update({by_ours[name]: tensor for name, tensor in ours.items()})
+    draft_to_target = head.draft_to_target.cpu()
+    published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    published["t2d"] = t2d
+    ids = list(config.layer_ids)
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": layer.hidden_size,
+          "intermediate_size": layer.intermediate_size, "num_attention_heads": layer.num_heads,
+          "num_key_value_heads": layer.num_kv_heads, "head_dim": layer.head_dim, "num_hidden_layers": 1,
+          "rms_norm_eps": layer.rms_norm_eps, "rope_theta": layer.rope_theta, "rope_scaling": layer.rope_scaling,
+          "max_position_embeddings": target_config.max_position_embeddings, "vocab_size": layer.vocab_size,
+          "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
+          "tie_word_embeddings": False, "bias": False, "norm_before_residual": config.norm_before_residual,
+          "eagle_aux_hidden_state_layer_ids": ids,
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+          "bos_token_id": target_config.bos_token_id, "eos_token_id": list(target_config.eos_token_ids) or None,
+          "torch_dtype": "float32"}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(published, str(folder / "model.safetensors.partial"))
+    (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    return folder

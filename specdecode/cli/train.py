@@ -1,0 +1,112 @@
+"""`specdecode train eagle3 --target MODEL --out DIR`: a drafter trained for the user's own model, offline.
+
+Two phases, both resumable (run the same command again): the target's features of text built from Python's
+standard library (its own answers to prompts made from documented functions, and the library's source), kept
+in DIR/features; then the training-time test over them, with held-out acceptance on the progress bar, a
+checkpoint every --eval-every sequences, and the head written to DIR in the reference layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.default_models import DEFAULT_TARGET
+
+KINDS = ("eagle3",)
+
+
+def add_parser(commands) -> None:
+    train = commands.add_parser("train", help="train a drafter for a target on this machine (offline data)")
+    train.add_argument("kind", choices=KINDS, help="the drafter to train")
+    train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
+    train.add_argument("--out", required=True, help="folder for the features, checkpoints and the trained head")
+    train.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
+    train.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
+                       "the target as you will run it")
+    train.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
+    train.add_argument("--tokens", type=int, default=200_000, help="training tokens of features (default 200000)")
+    train.add_argument("--held-out-tokens", type=int, default=6_000, help="held-out tokens (default 6000)")
+    train.add_argument("--answers", type=int, default=48,
+                       help="prompts the target answers itself, spread through the code text (default 48)")
+    train.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer at most (default 192)")
+    train.add_argument("--max-len", type=int, default=768, help="tokens per training sequence at most (default 768)")
+    train.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    train.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--lr", type=float, default=3e-4)
+    train.add_argument("--eval-every", type=int, default=100,
+                       help="sequences between held-out measurements and checkpoints (default 100)")
+    train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.set_defaults(run=run)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("tokens", "held_out_tokens", "answer_tokens", "max_len", "draft_vocab", "unroll", "epochs",
+                 "eval_every"):
+        if getattr(args, name) < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.answers < 0 or (args.intermediate_size is not None and args.intermediate_size < 1):
+        raise SpecDecodeError("--answers must be >= 0 and --intermediate-size >= 1")
+    if args.max_len < 16:
+        raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
+    if not 0 < args.lr < 1:
+        raise SpecDecodeError(f"--lr must be in (0, 1), got {args.lr}")
+
+
+def training_texts(answers: int):
+    """Code pieces with `answers` prompts spread evenly through them, in a fixed order (resume relies on it)."""
+    from specdecode.training.data import code_texts, prompts
+
+    all_prompts = list(prompts())
+    chosen = all_prompts[:: max(1, len(all_prompts) // answers)][:answers] if answers else []
+    code = code_texts()
+    spacing = 12  # a prompt after every 12 code pieces, then the rest of the code
+    for prompt in chosen:
+        yield from itertools.islice(code, spacing)
+        yield prompt
+    yield from code
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    from specdecode.models.loader import check_device, load_model
+    from specdecode.training.eagle3_train import TrainSettings, default_layer_ids, train_eagle3
+    from specdecode.training.features import check_manifest, extract
+
+    check_device(args.device)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SpecDecodeError(f"cannot write to {out} ({error})") from None
+    target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
+    layer_ids = default_layer_ids(target.config.num_layers)
+    features = out / "features"
+    manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
+                "layer_ids": list(layer_ids), "answers": args.answers, "answer_tokens": args.answer_tokens,
+                "max_len": args.max_len}
+    check_manifest(features, manifest)
+    budget = {"train": args.tokens, "held_out": args.held_out_tokens}
+    done = extract(target, layer_ids, training_texts(args.answers), features, budget, args.answer_tokens,
+                   args.max_len, args.quiet)
+    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+                             steps=args.unroll, epochs=args.epochs, lr=args.lr, eval_every=args.eval_every,
+                             device=args.device)
+    curve_file = out / "learning_curve.jsonl"
+
+    def record(step: int, tokens: int, accuracy: list[float]) -> None:
+        with curve_file.open("a") as curve:
+            curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
+
+    result = train_eagle3(target, features, out, settings, args.quiet, record)
+    rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
+    print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
+          f"acceptance by draft position {rates}; use it with: specdecode generate \"...\" --model {args.target} "
+          f"--spec-type eagle3 --draft-model {out}", file=sys.stderr)
+    return 0
