@@ -29,14 +29,18 @@ def add_parser(commands) -> None:
     train.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
                        "the target as you will run it")
     train.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
-    train.add_argument("--tokens", type=int, default=200_000, help="training tokens of features (default 200000)")
-    train.add_argument("--held-out-tokens", type=int, default=6_000, help="held-out tokens (default 6000)")
+    train.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
+                       "with the defaults below, about an hour on 2 CPU cores for a 1.5B target)")
+    train.add_argument("--held-out-tokens", type=int, default=4_000, help="held-out tokens (default 4000)")
     train.add_argument("--answers", type=int, default=48,
                        help="prompts the target answers itself, spread through the code text (default 48)")
     train.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer at most (default 192)")
     train.add_argument("--max-len", type=int, default=768, help="tokens per training sequence at most (default 768)")
-    train.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
-    train.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    train.add_argument("--draft-vocab", type=int, default=16000,
+                       help="draft vocabulary size (default 16000; published heads use 32000)")
+    train.add_argument("--intermediate-size", type=int,
+                       help="the head's MLP width (default: half the target's, to fit a CPU hour; published heads "
+                       "use the target's)")
     train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-4)
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     budget = {"train": args.tokens, "held_out": args.held_out_tokens}
     done = extract(target, layer_ids, training_texts(args.answers), features, budget, args.answer_tokens,
                    args.max_len, args.quiet)
-    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+    mlp_width = args.intermediate_size or target.config.intermediate_size // 2
+    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width,
                              steps=args.unroll, epochs=args.epochs, lr=args.lr, eval_every=args.eval_every,
                              device=args.device)
     curve_file = out / "learning_curve.jsonl"
