@@ -1,6 +1,6 @@
 """Test-side EAGLE-3 code written from the published descriptions, independent of specdecode's head: random
 checkpoints in each published layout (reference, speculators, SpecForge/SGLang) and a plain re-implementation of
-the published forward over the published tensor names (../shared/notes/drafter-formats.md, section 1)."""
+the published forward over the published tensor names (SafeAILab/EAGLE@cb7e084 eagle/model/cnets.py)."""
 
 from __future__ import annotations
 

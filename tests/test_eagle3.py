@@ -4,6 +4,7 @@ and what users can get wrong ends in one clear error."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -13,8 +14,10 @@ from eagle3_reference import LAYOUTS, ReferenceHead, head_config, random_head, w
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
+from specdecode.cli.options import draft_sources
 from specdecode.cli.serve import spec_from_vllm
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.default_models import DEFAULT_DRAFT
 from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
 from specdecode.models.loader import load_model
 
@@ -122,7 +125,8 @@ def test_a_narrower_head_brings_its_own_embedding(target8, tmp_path):
     config = head_config(weights, TINY_VOCAB, "reference", target_hidden_size=HIDDEN)
     head, _ = load_eagle3_head(write_head(tmp_path / "narrow", weights, config, "reference"), target.model, 512)
     reference = ReferenceHead(weights, target.model.embed.weight.detach())
-    features = [state[0] for state in hf_states(target_folder, [1, 2, 3, 4])[2:6:]][:3]
+    states = hf_states(target_folder, [1, 2, 3, 4])
+    features = [states[i][0] for i in head.config.layer_ids]  # [4, 64] each, at the head's boundaries
     ids = torch.tensor([[2, 3, 4, 5]])
     with torch.inference_mode():
         logits, _ = head(ids, head.fuse(features).unsqueeze(0), torch.arange(4).unsqueeze(0), head.new_cache(8))
@@ -207,6 +211,12 @@ def test_command_line_and_vllm_forms(target8, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["stats"]["method"] == "eagle3" and len(report["token_ids"]) == 6
     assert main([*common, "--draft-head", str(folder), "--spec-type", "eagle3,draft", "--draft-model", model]) == 0
+    # serve --spec-type eagle3 --draft-model HEAD --allow-draft-override: the head, and the default draft model
+    # for requests that ask for `draft` (only when the target is the default too).
+    head_only = argparse.Namespace(draft_head=None, draft_model=str(folder), model=None)
+    assert draft_sources(head_only, False, True, load_draft_anyway=True) == (DEFAULT_DRAFT, str(folder))
+    assert draft_sources(argparse.Namespace(draft_head=None, draft_model=str(folder), model=model), False, True,
+                         load_draft_anyway=True) == (None, str(folder))
 
 
 @pytest.mark.parametrize("variant", ["norm_before_fc", "fc_norm", "norm_output"])

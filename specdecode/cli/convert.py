@@ -43,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
         tensors.update(loaded)
     # safetensors refuses tensors that share memory: each gets its own contiguous copy.
     staging = out.with_suffix(".partial")
-    save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()}, str(staging))
-    staging.replace(out)  # all or nothing: an interrupted run leaves no half-written model.safetensors
+    try:
+        save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()}, str(staging))
+        staging.replace(out)  # all or nothing: an interrupted run leaves no half-written model.safetensors
+    except OSError as error:
+        staging.unlink(missing_ok=True)
+        raise SpecDecodeError(f"cannot write {out} ({error})") from None
     print(f"wrote {out} ({len(tensors)} tensors from {', '.join(p.name for p in pickled)})", file=sys.stderr)
     return 0

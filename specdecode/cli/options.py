@@ -91,16 +91,19 @@ def default_draft_name(args: argparse.Namespace) -> str | None:
     return args.draft_model or (DEFAULT_DRAFT if args.model is None else None)
 
 
-def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_files: bool
-                  ) -> tuple[str | None, str | None]:
-    """(the draft model to load, or None; the path a drafter reads its own weights from, or None)."""
+def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_files: bool,
+                  load_draft_anyway: bool = False) -> tuple[str | None, str | None]:
+    """(the draft model to load, or None; the path a drafter reads its own weights from, or None).
+    load_draft_anyway: serve's --allow-draft-override, a draft model for requests that ask for one."""
     path = args.draft_head
+    wanted = spec_needs_model or load_draft_anyway
     if spec_needs_files and path is None:
         if spec_needs_model:
             raise SpecDecodeError("these methods need both a draft model and a drafter's own weights: give the "
                                   "draft model with --draft-model and the head with --draft-head PATH")
-        path = args.draft_model
-    return (default_draft_name(args) if spec_needs_model else None), path
+        path = args.draft_model  # --draft-model names the head here; a draft model can only be the default
+        return (DEFAULT_DRAFT if wanted and args.model is None else None), path
+    return (default_draft_name(args) if wanted else None), path
 
 
 def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):

@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     check_options(spec)
     listening = listening_socket(args.host, args.port)  # before minutes of loading, not after
     with listening:
-        draft_name, draft_path = draft_sources(args, needs_draft_model(spec) or args.allow_draft_override,
-                                               needs_draft_files(spec))
+        draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec),
+                                               args.allow_draft_override)
         target, draft = load_models(args, draft_name)
         engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
         settings = ServerSettings(

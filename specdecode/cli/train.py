@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     curve_file = out / "learning_curve.jsonl"
 
     def record(step: int, tokens: int, accuracy: list[float]) -> None:
-        with curve_file.open("a") as curve:
+        with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
     result = train_eagle3(target, features, out, settings, args.quiet, record)

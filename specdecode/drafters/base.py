@@ -30,7 +30,7 @@ class DrafterCaps:
     emits_trees: bool = False  # may propose trees, not only chains
     block_size: int | None = None  # proposals of a fixed size (a block drafter), else the adaptive length
     needs_draft_model: bool = False  # callers must load a draft model for it
-    draft_files: bool = False  # it reads its own weights from --draft-model PATH (an EAGLE-3 head), not a model
+    draft_files: bool = False  # it reads its own weights from --draft-head PATH (an EAGLE-3 head), not a model
     drafts: bool = True  # False for plain decoding: no steps to guard or explain (speed_guard.py)
 
 
@@ -41,7 +41,7 @@ class DrafterResources:
     target: LoadedModel
     draft: LoadedModel | None = None
     context_limit: int = 0
-    draft_path: str | None = None  # --draft-model as given, for drafters with their own weight format
+    draft_path: str | None = None  # --draft-head as given, for drafters with their own weight format
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,

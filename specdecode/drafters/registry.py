@@ -75,7 +75,7 @@ def needs_draft_model(spec: SpecConfig) -> bool:
 
 
 def needs_draft_files(spec: SpecConfig) -> bool:
-    """Whether a method of `spec` reads its own weights from --draft-model PATH (an EAGLE-3 head), so callers
+    """Whether a method of `spec` reads its own weights from --draft-head PATH (an EAGLE-3 head), so callers
     pass the path instead of loading it as a model."""
     return any(DRAFTERS[m].caps.draft_files for m in validate_method(spec))
 

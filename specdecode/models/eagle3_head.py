@@ -1,9 +1,9 @@
 """The EAGLE-3 draft head (Li et al. 2025): one decoder layer that reads the target's hidden states.
 
-Per position i it takes the fused target features of token i (three residual-stream states, boundary ids in
-DESIGN.md) and the embedding of token i+1, and predicts token i+2 over a reduced draft vocabulary; later draft
-steps feed back the head's own output hidden state instead of the fused features. The forward, as the EAGLE
-reference, vLLM and SGLang compute it (facts in ../shared/notes/drafter-formats.md, section 1.1):
+Per position i it takes the fused target features of token i (three residual-stream states at the boundary
+ids of its config, by default 2, L//2 and L-3) and the embedding of token i+1, and predicts token i+2 over a
+reduced draft vocabulary; later draft steps feed back the head's own output hidden state instead of the fused
+features. The forward, as the EAGLE reference (SafeAILab/EAGLE eagle/model/cnets.py), vLLM and SGLang compute it:
 
     g   = fc(concat(h_a, h_b, h_c))                      first step only; n_aux*Ht -> H
     u   = concat(input_layernorm(embed(x)), hidden_norm(g))   width 2H, embedding first

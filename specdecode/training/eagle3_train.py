@@ -95,17 +95,23 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
     train_files, held_out = shard_files(features, "train"), shard_files(features, "held_out")
     if not train_files:
         raise SpecDecodeError(f"{features} holds no training features")
+    target.model.requires_grad_(False)  # frozen: its embedding feeds the head, and no gradient should reach it
     checkpoint = out / CHECKPOINT
+    made_with = {**_resume_settings(settings), "layer_ids": list(layer_ids),
+                 "shards": [f"{p.parent.name}/{p.name}" for p in train_files + held_out]}
     state = None
     if checkpoint.exists():  # our own file, written below; weights_only refuses anything but tensors and data
         state = torch.load(checkpoint, map_location=settings.device, weights_only=True)
-        if state["settings"] != asdict(settings) or tuple(state["layer_ids"]) != layer_ids:
-            raise SpecDecodeError(f"{checkpoint} was made with other settings; use another --out or the same ones")
+        changed = sorted(k for k in made_with if state["made_with"].get(k) != made_with[k])
+        if changed:  # resuming on other data or settings would skip or repeat sequences
+            raise SpecDecodeError(f"{checkpoint} was made with other settings ({', '.join(changed)}); use another "
+                                  "--out or the same settings")
         draft_ids = state["draft_ids"]
     else:
         draft_ids = draft_vocabulary(train_files, settings.draft_vocab, target.config.vocab_size)
     head = new_head(target, layer_ids, draft_ids, settings)
-    head.finish_loading(max(load_shard(p).tokens.numel() for p in train_files + held_out) + 8)
+    lengths = {p: load_shard(p).tokens.numel() for p in train_files + held_out}  # read once, used twice
+    head.finish_loading(max(lengths.values()) + 8)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = settings.epochs * len(train_files)
@@ -122,7 +128,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
                               enabled=_bf16_fast(settings.device))
     order = [path for epoch in range(settings.epochs) for path in _shuffled(train_files, settings.seed + epoch)]
     measured = evaluate(head, held_out, target_to_draft, settings, autocast) if step == 0 else state["measured"]
-    tokens_seen = sum(load_shard(p).tokens.numel() for p in order[:step])  # for the learning curve
+    tokens_seen = sum(lengths[p] for p in order[:step])  # for the learning curve
     bar = tqdm(total=total, initial=step, unit="seq", desc="training eagle3", disable=quiet)
     bar.set_postfix_str(_describe(measured))
     if on_eval is not None and step == 0:
@@ -142,7 +148,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
         bar.update(1)
         if step % settings.eval_every == 0 or step == total:
             measured = evaluate(head, held_out, target_to_draft, settings, autocast)
-            _save_checkpoint(checkpoint, head, optimizer, schedule, step, draft_ids, layer_ids, settings, measured)
+            _save_checkpoint(checkpoint, head, optimizer, schedule, step, draft_ids, made_with, measured)
             if on_eval is not None:
                 on_eval(step, tokens_seen, measured)
         bar.set_postfix_str(f"loss {result.loss.item():.3f} | {_describe(measured)}")
@@ -155,7 +161,8 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
 def evaluate(head: Eagle3Head, files: list[Path], target_to_draft: torch.Tensor, settings: TrainSettings,
              autocast) -> list[float]:
     """Per unrolled step, how often the head's draft is the target's own next token on held-out text (draft
-    position k's acceptance given the drafts before it were right)."""
+    position k's acceptance given the drafts before it were right; a next token outside the draft vocabulary
+    counts as a miss)."""
     correct, counted = [0] * settings.steps, [0] * settings.steps
     for path in files:
         shard = _to(load_shard(path), settings.device)
@@ -205,11 +212,17 @@ def _bf16_fast(device: str) -> bool:
     return resolve_dtype("auto", device) == torch.bfloat16
 
 
+def _resume_settings(settings: TrainSettings) -> dict:
+    """What a resumed run must share with the run it continues (the device may change: cpu to cuda)."""
+    fields = asdict(settings)
+    del fields["device"]
+    return fields
+
+
 def _save_checkpoint(path: Path, head: Eagle3Head, optimizer, schedule, step: int, draft_ids: torch.Tensor,
-                     layer_ids: tuple[int, ...], settings: TrainSettings, measured: list[float]) -> None:
+                     made_with: dict, measured: list[float]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-             "step": step, "draft_ids": draft_ids, "layer_ids": list(layer_ids), "settings": asdict(settings),
-             "measured": measured}
+             "step": step, "draft_ids": draft_ids, "made_with": made_with, "measured": measured}
     torch.save(state, path.with_suffix(".partial"))
     path.with_suffix(".partial").replace(path)

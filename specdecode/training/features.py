@@ -50,14 +50,20 @@ def check_manifest(folder: Path, manifest: dict) -> None:
     """Write the manifest of a new feature folder, or fail if an existing one was made differently."""
     path = folder / MANIFEST
     if path.exists():
-        existing = json.loads(path.read_text())
+        try:
+            existing = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SpecDecodeError(f"cannot read {path} ({error}); delete the features folder to start it again"
+                                  ) from None
         if existing != manifest:
             changed = sorted(k for k in manifest if existing.get(k) != manifest[k])
             raise SpecDecodeError(f"{folder} holds features made with other settings ({', '.join(changed)}); "
                                   "use another --out or the same settings")
         return
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest, indent=1))
+    partial = path.with_suffix(".partial")  # whole or absent, like the shards
+    partial.write_text(json.dumps(manifest, indent=1))
+    partial.replace(path)
 
 
 def token_ids(engine, text: TrainingText, answer_tokens: int, max_len: int) -> tuple[list[int], int]:

@@ -6,8 +6,8 @@ positions. Step k >= 1 reads the head's own step-(k-1) output at row j-1 instead
 j reads the draft before it. Attention follows inference: the step-k query at row j sees step-0 keys of rows
 <= j-k (the committed context of that draft) and step-m keys of row j-k+m for 1 <= m <= k (the drafts before
 it, its own included). Every step's row j predicts token j+2 (the target's distribution at position j+1).
-(The EAGLE reference's cnets.py unrolls 7 steps the same way with per-step K/V lists; facts in
-../shared/notes/drafter-formats.md, section 1.1.)
+(The EAGLE reference, SafeAILab/EAGLE eagle/traineagle3/cnets.py, unrolls 7 steps the same way with per-step
+K/V lists.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ STEP_WEIGHT = 0.8  # step k's loss weighs 0.8^k, as the reference
 class UnrollResult:
     loss: torch.Tensor  # scalar, weighted over steps
     correct: list[int]  # per step: rows whose argmax is the target's own next token
-    counted: list[int]  # per step: rows counted
+    counted: list[int]  # per step: rows counted (those in the loss mask, in the draft vocabulary or not)
     logits: list[torch.Tensor]  # per step [N, Vd] when asked for (tests compare them with inference)
 
 
@@ -64,7 +64,8 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, top_i
     fused = head.fuse(states)  # [N, H]
     embeds = head.embed_tokens(tokens[1:].view(1, rows))[0]  # [N, H]: token j+1 at row j
     draft_ids, weights, usable = soft_targets(top_ids[1:], top_logprobs[1:], target_to_draft)
-    learn = loss_mask[1:] & usable  # [N]: row j learns position j+1's next token
+    wanted = loss_mask[1:]  # [N]: row j's next token (position j+1's) is one to draft
+    learn = wanted & usable  # [N]: and the draft vocabulary holds it, so there is something to learn
     positions = torch.arange(rows, device=device).view(1, rows)
     cos, sin = head.rope.lookup(positions)  # [1, 1, N, D/2]
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -95,12 +96,13 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, top_i
         log_q = torch.log_softmax(logits, dim=-1)
         if keep_logits:
             kept.append(logits.detach())
-        valid = learn.clone()
-        valid[:step] = False  # rows before `step` have no draft context of that depth
+        deep_enough = torch.arange(rows, device=device) >= step  # [N]: earlier rows have no drafts this deep
+        valid = learn & deep_enough
         per_row = -(weights * log_q.gather(1, draft_ids)).sum(-1)  # [N]
         loss = loss + STEP_WEIGHT**step * (per_row * valid).sum() / valid.sum().clamp_min(1)
-        hits = (log_q.argmax(-1) == draft_ids[:, 0]) & valid
+        # Acceptance counts every wanted row: a next token outside the draft vocabulary is a certain miss.
+        hits = (log_q.argmax(-1) == draft_ids[:, 0]) & valid  # [N]
         correct.append(int(hits.sum()))
-        counted.append(int(valid.sum()))
+        counted.append(int((wanted & deep_enough).sum()))
         fed_back = head.norm(out) if head.config.norm_output else out
     return UnrollResult(loss, correct, counted, kept)

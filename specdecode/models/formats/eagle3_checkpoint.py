@@ -1,6 +1,6 @@
 """EAGLE-3 heads as users have them, read into our Eagle3Head; and our heads written in the reference layout.
 
-Layouts read (facts and sources in ../shared/notes/drafter-formats.md, section 1):
+Layouts read (from the code of SafeAILab/EAGLE@cb7e084, vLLM, SGLang and vllm-project/speculators@c05b95b):
 - reference (SafeAILab/EAGLE, AngelSlim): `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`; no layer ids in
   config.json, so the reference's hard-coded (2, L//2, L-3) apply;
 - speculators (vLLM's RedHatAI heads): `layers.0.*`, the layer's config nested in `transformer_layer_config`,
@@ -47,8 +47,8 @@ def load_eagle3_head(path: str | Path, target: Transformer, max_positions: int) 
         raise SpecDecodeError(f"{path} is not an EAGLE-3 head folder (no config.json)")
     try:
         hf = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SpecDecodeError(f"{config_file} is not valid JSON ({error})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SpecDecodeError(f"cannot read {config_file} ({error})") from None
     if not isinstance(hf, dict):
         raise SpecDecodeError(f"{config_file} must hold a JSON object")
     files = sorted(folder.glob("*.safetensors"))
@@ -161,12 +161,15 @@ def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, fol
     if own_head and "d2t" not in tensors and draft_vocab != tc.vocab_size:
         raise SpecDecodeError(f"{folder}: lm_head has {draft_vocab} rows but there is no d2t table mapping them to "
                               f"the target's {tc.vocab_size} tokens")
+    logit_scale = hf.get("logit_scale", 1.0)
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+        raise SpecDecodeError(f"{folder}: logit_scale must be a number, got {logit_scale!r}")
     config = Eagle3Config(
         layer=layer, target_hidden_size=tc.hidden_size, draft_vocab_size=draft_vocab, layer_ids=ids,
         norm_before_residual=bool(hf.get("norm_before_residual", speculators)),  # vLLM's default per layout
         norm_output=bool(hf.get("norm_output", False)), norm_before_fc=bool(hf.get("norm_before_fc", False)),
         fc_norm=bool(hf.get("fc_norm", False)), own_embedding=own_embedding, own_head=own_head,
-        logit_scale=float(hf.get("logit_scale", 1.0)))
+        logit_scale=float(logit_scale))
     layout = "speculators" if speculators else ("SpecForge/SGLang" if convention == "nested" else "reference")
     layout += {"top-level": ", layer ids from its config", "nested": ", layer ids by SGLang's rule",
                "default": ", the reference's default layer ids"}[convention]
@@ -227,10 +230,9 @@ def _draft_to_target(d2t: torch.Tensor, config: Eagle3Config, folder: Path) -> t
 
 def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig) -> Path:
     """Write `head` in the reference layout with explicit layer ids, the form vLLM, SGLang, the speculators
-    converter and llama.cpp's converter all read (drafter-formats.md, section 6): `midlayer.*` names, d2t
-    offsets and the t2d mask, `draft_vocab_size` written out, ids in vLLM's convention both top-level and in
-    `eagle_config` (a first id of 2 or more reads the same under SGLang's rule). The embedding is the target's
-    and is not written."""
+    converter and llama.cpp's converter all read: `midlayer.*` names, d2t offsets and the t2d mask,
+    `draft_vocab_size` written out, ids in vLLM's convention both top-level and in `eagle_config` (a first id of
+    2 or more reads the same under SGLang's rule). The embedding is the target's and is not written."""
     config = head.config
     if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
         raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
@@ -265,8 +267,12 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
           "bos_token_id": target_config.bos_token_id, "eos_token_id": list(target_config.eos_token_ids) or None,
           "torch_dtype": "float32"}
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(published, str(folder / "model.safetensors.partial"))
-    (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    try:  # both files written whole under temporary names first, then renamed: never half a head
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(published, str(folder / "model.safetensors.partial"))
+        (folder / "config.json.partial").write_text(json.dumps(hf, indent=1))
+        (folder / "config.json.partial").replace(folder / "config.json")
+        (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
+    except OSError as error:
+        raise SpecDecodeError(f"cannot write the head to {folder} ({error})") from None
     return folder
