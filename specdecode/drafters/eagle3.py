@@ -180,6 +180,6 @@ class Eagle3Drafter(Drafter):
         the law drafts follow and they are never drafted."""
         if not self.maps_vocab:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))  # [..., V]
         full[..., self.head.draft_to_target] = logits
         return full

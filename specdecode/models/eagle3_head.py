@@ -71,7 +71,7 @@ class Eagle3Layer(nn.Module):
         normed_hidden = self.hidden_norm(hidden)
         attn_in = torch.cat([self.input_norm(embeds), normed_hidden], dim=-1)  # [B, T, 2H], embedding first
         residual = normed_hidden if self.norm_before_residual else hidden
-        x = residual + self.attn(attn_in, cos, sin, cache, 0, mask)
+        x = residual + self.attn(attn_in, cos, sin, cache, 0, mask)  # [B, T, H]
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -137,7 +137,7 @@ class Eagle3Head(nn.Module):
         cache.record_positions(positions)
         out = self.layer(self.embed_tokens(tokens), hidden.to(self.dtype), cos, sin, cache, mask)  # [B, T, H]
         cache.advance(new)
-        normed = self.norm(out)
+        normed = self.norm(out)  # [B, T, H]
         head = self.lm_head if self.lm_head is not None else self._shared["head"]
         logits = head(normed).float()  # [B, T, Vd]
         if self.config.logit_scale != 1.0:

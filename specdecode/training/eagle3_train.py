@@ -47,7 +47,7 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:
     """The `size` most frequent target ids among the tokens and the target's own next tokens, ascending (as the
     reference sorts its used tokens) -> [Vd] long."""
-    counts = torch.zeros(vocab, dtype=torch.long)
+    counts = torch.zeros(vocab, dtype=torch.long)  # [V]
     for path in files:
         shard = load_shard(path)
         counts += torch.bincount(shard.tokens, minlength=vocab) + torch.bincount(shard.top_ids[:, 0], minlength=vocab)
@@ -122,7 +122,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step = state["step"]
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=settings.device)
+    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=settings.device)  # [V]
     target_to_draft[draft_ids.to(settings.device)] = torch.arange(draft_ids.numel(), device=settings.device)
     autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
                               enabled=_bf16_fast(settings.device))

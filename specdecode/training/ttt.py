@@ -75,29 +75,30 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, top_i
     correct, counted, kept = [], [], []
     for step in range(steps):
         if step:  # row j reads the previous step's output of row j-1 (row 0 has none: masked below)
-            hidden = torch.cat([fed_back.new_zeros(1, fed_back.shape[1]), fed_back[:-1]])
-        normed = layer.hidden_norm(hidden)
+            hidden = torch.cat([fed_back.new_zeros(1, fed_back.shape[1]), fed_back[:-1]])  # [N, H]
+        normed = layer.hidden_norm(hidden)  # [N, H]
         attn_in = torch.cat([layer.input_norm(embeds), normed], dim=-1)  # [N, 2H]
-        q, k, v = layer.attn.qkv(attn_in).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = layer.attn.qkv(attn_in).split(  # [N, h*D], [N, hkv*D], [N, hkv*D]
+            [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         q = apply_rope(q.view(rows, heads, dim).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, h, N, D]
         k = apply_rope(k.view(rows, kv_heads, dim).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, hkv, N, D]
         keys.append(k)
         values.append(v.view(rows, kv_heads, dim).transpose(0, 1).unsqueeze(0))
         group = heads // kv_heads
         all_keys = torch.cat(keys, dim=2).repeat_interleave(group, dim=1)  # [1, h, (step+1)N, D]
-        all_values = torch.cat(values, dim=2).repeat_interleave(group, dim=1)
+        all_values = torch.cat(values, dim=2).repeat_interleave(group, dim=1)  # [1, h, (step+1)N, D]
         mask = step_mask(rows, step, device)  # [N, (step+1)N]
         attn = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask)  # [1, h, N, D]
         attn = layer.attn.o(attn[0].transpose(0, 1).reshape(rows, heads * dim))  # [N, H]
         residual = normed if layer.norm_before_residual else hidden
-        after_attn = residual + attn
+        after_attn = residual + attn  # [N, H]
         out = after_attn + layer.mlp(layer.mlp_norm(after_attn))  # [N, H]
         logits = head.lm_head(head.norm(out)).float()  # [N, Vd]
-        log_q = torch.log_softmax(logits, dim=-1)
+        log_q = torch.log_softmax(logits, dim=-1)  # [N, Vd]
         if keep_logits:
             kept.append(logits.detach())
         deep_enough = torch.arange(rows, device=device) >= step  # [N]: earlier rows have no drafts this deep
-        valid = learn & deep_enough
+        valid = learn & deep_enough  # [N]
         per_row = -(weights * log_q.gather(1, draft_ids)).sum(-1)  # [N]
         loss = loss + STEP_WEIGHT**step * (per_row * valid).sum() / valid.sum().clamp_min(1)
         # Acceptance counts every wanted row: a next token outside the draft vocabulary is a certain miss.

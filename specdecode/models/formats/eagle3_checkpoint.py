@@ -239,10 +239,10 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
                               "are written in the reference layout")
     layer = config.layer
     ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
-    qkv = ours.pop("layer.attn.qkv.weight")
+    qkv = ours.pop("layer.attn.qkv.weight")  # [(h + 2 hkv) D, 2H]
     q_rows = layer.num_heads * layer.head_dim
     kv_rows = layer.num_kv_heads * layer.head_dim
-    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)
+    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)  # [I, H] each
     published = {"midlayer.self_attn.q_proj.weight": qkv[:q_rows],
                  "midlayer.self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
                  "midlayer.self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
@@ -250,9 +250,9 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
     by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
     by_ours.update({ours_name: "midlayer." + name for name, ours_name in LAYER_NAMES.items()})
     published.update({by_ours[name]: tensor for name, tensor in ours.items()})
-    draft_to_target = head.draft_to_target.cpu()
+    draft_to_target = head.draft_to_target.cpu()  # [Vd]
     published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
-    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)  # [V]
     t2d[draft_to_target] = True
     published["t2d"] = t2d
     ids = list(config.layer_ids)
