@@ -26,15 +26,19 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
             "ceiling_speedup")
 
 
-def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
+def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) -> list[MethodSpec]:
     """'none,draft,ngram+draft:k=5;ngram_max=3' -> our method specs; '+' chains methods, ':k=N' sets the draft
     length, ':guard=on|off' the speed guard, ':combine=first|best' a chain's rule and ':NAME=VALUE' any drafter
-    option (on top of `base`, the command line's settings)."""
+    option (on top of `base`, the command line's settings). 'auto' runs `auto_chain` with combine=best."""
     specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
     known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
         k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
+        if name == "auto":
+            if auto_chain is None:
+                raise SpecDecodeError("'auto' in --methods needs the chain auto chose")
+            name, combine = auto_chain.replace(",", "+"), "best"
         for setting in filter(None, settings.split(";")):
             key, _, value = setting.partition("=")
             if key == "k" and value.isdigit():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from specdecode.auto_method import choose
 from specdecode.bench.datasets import load_questions
 from specdecode.bench.suite import parse_methods, run_bench
 from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, draft_quant, draft_sources,
@@ -53,7 +55,13 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
                                args.per_category)
     sampling = sampling_from_args(args)
-    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True))
+    auto_chain = None
+    if "auto" in (label.partition(":")[0].strip() for label in args.methods.split(",")):
+        choice = choose(args.model, args.draft_model, args.draft_head)  # the members' weights load once, below
+        args.draft_model, args.draft_head = args.draft_model or choice.draft_model, args.draft_head or choice.draft_head
+        auto_chain = choice.method
+        print(choice.line(), file=sys.stderr)
+    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True), auto_chain)
     needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
     draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))
     target, draft = load_models(args, draft_name)

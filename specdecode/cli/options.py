@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdecode.auto_method import AutoChoice, choose
 from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, all_options
 from specdecode.errors import SpecDecodeError
@@ -43,7 +44,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     aliases = ", ".join(f"{a} ({cls.name})" for cls in DRAFTERS.values() for a in cls.aliases)
     group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a fallback chain such as ngram,draft "
-                       f"(default: ngram,draft with a draft model, else ngram); llama.cpp's names too: {aliases}")
+                       f"(default: ngram,draft with a draft model, else ngram); llama.cpp's names too: {aliases}; "
+                       "auto: every drafter found for the model (an EAGLE-3 head from --draft-head or where "
+                       "'specdecode train eagle3' puts it, a draft model from --draft-model or an installed smaller "
+                       "sibling) after suffix, with --combine best; one line says what it chose")
     group.add_argument("--num-draft-tokens", "--draft-max", type=int, default=3,
                        help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -146,6 +150,20 @@ def drafter_options(args: argparse.Namespace) -> dict:
 
 
 def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
+    if args.spec_type == "auto":
+        apply_auto(args)
+        has_draft = args.draft_model is not None
     method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
     return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
                       combine=args.combine)
+
+
+def apply_auto(args: argparse.Namespace) -> AutoChoice:
+    """--spec-type auto: the drafters found for the target become the chain, with per-step choice; one line
+    says what and why."""
+    choice = choose(args.model, args.draft_model, args.draft_head)
+    args.spec_type, args.draft_model, args.draft_head = choice.method, choice.draft_model, choice.draft_head
+    args.combine = "best"
+    if not (getattr(args, "quiet", False) or getattr(args, "json", False)):
+        print(choice.line(), file=sys.stderr)
+    return choice

@@ -1,4 +1,4 @@
-"""`specdecode train eagle3 --target MODEL --out DIR`: a drafter trained for the user's own model, offline.
+"""`specdecode train eagle3 [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
 
 Two phases, both resumable (run the same command again): the target's features of text built from Python's
 standard library (its own answers to prompts made from documented functions, and the library's source), kept
@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.auto_method import head_folder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
@@ -24,7 +25,8 @@ def add_parser(commands) -> None:
     train = commands.add_parser("train", help="train a drafter for a target on this machine (offline data)")
     train.add_argument("kind", choices=KINDS, help="the drafter to train")
     train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
-    train.add_argument("--out", required=True, help="folder for the features, checkpoints and the trained head")
+    train.add_argument("--out", help="folder for the features, checkpoints and the trained head (default: "
+                       "CACHE/eagle3/TARGET_NAME, where --spec-type auto finds it; CACHE as for the default models)")
     train.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
     train.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
                        "the target as you will run it")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.training.features import check_manifest, extract
 
     check_device(args.device)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else head_folder(args.target)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -113,5 +115,6 @@ def run(args: argparse.Namespace) -> int:
     rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
     print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
           f"acceptance by draft position {rates}; use it with: specdecode generate \"...\" --model {args.target} "
-          f"--spec-type eagle3 --draft-model {out}", file=sys.stderr)
+          f"--spec-type eagle3 --draft-model {out}"
+          f"{' (or --spec-type auto, which looks here)' if out == head_folder(args.target) else ''}", file=sys.stderr)
     return 0

@@ -1,0 +1,83 @@
+"""`--spec-type auto`: the seed's advice as a rule, decided before any weights load.
+
+The seed's order: a model's own MTP layers first, then an EAGLE-3 head trained for it, then a smaller model of
+the same family as a draft, and n-gram/suffix lookups for text that repeats. `auto` takes every drafter it can
+find for the target, puts `suffix` first (free to run, often right on code and edits), and lets per-step
+choice (`combine=best`, drafters/step_choice.py) and the speed guard settle which one drafts each step; adding
+a member cannot make the output differ, only the speed.
+
+Where it looks:
+- an EAGLE-3 head: --draft-head, else the folder `specdecode train eagle3` writes by default for this target
+  (head_folder below);
+- a draft model: --draft-model, else the smallest installed default model with the target's vocabulary and at
+  most half its weights (the pairing rule of `specdecode models --drafts-for`);
+- MTP layers are not run by this runtime yet, so they are not looked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.models.formats.default_models import DEFAULT_TARGET, cache_dir
+
+LOOKUP = "suffix"  # measured ahead of ngram on HumanEval and repeated work (docs/benchmarks, 2026-12-01-suffix)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    method: str  # a chain for SpecConfig, e.g. "suffix,eagle3,draft"
+    draft_model: str | None  # the draft model to load, or None
+    draft_head: str | None  # the EAGLE-3 head folder, or None
+    reason: str  # one line: what was found and why
+
+    def line(self) -> str:
+        return f"auto: {self.method} with per-step choice and the speed guard ({self.reason})"
+
+
+def model_label(target: str) -> str:
+    """A target's short name: a default name as is, a .gguf file's stem, a folder's name."""
+    path = Path(target)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def head_folder(target: str | None) -> Path:
+    """Where `specdecode train eagle3` writes a head for `target` by default, and where auto looks for one."""
+    return cache_dir() / "eagle3" / model_label(target or DEFAULT_TARGET)
+
+
+def choose(target: str | None, draft_model: str | None, draft_head: str | None) -> AutoChoice:
+    """The drafters for `target` (None: the default target) given what the user named and what is installed."""
+    members, found = [LOOKUP], []
+    head = draft_head or _trained_head(target)
+    if head is not None:
+        members.append("eagle3")
+        found.append(f"EAGLE-3 head {'given' if draft_head else 'found'} at {head}")
+    draft = draft_model or _installed_sibling(target)
+    if draft is not None:
+        members.append("draft")
+        found.append(f"draft model {draft}{' given' if draft_model else ', installed, same vocabulary'}")
+    if len(members) == 1:
+        found.append("no EAGLE-3 head or draft model found for this target")
+    found.append(f"{LOOKUP} for text that repeats")
+    return AutoChoice(",".join(members), draft, head, "; ".join(found))
+
+
+def _trained_head(target: str | None) -> str | None:
+    folder = head_folder(target)
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return str(folder)
+    return None
+
+
+def _installed_sibling(target: str | None) -> str | None:
+    from specdecode.models.formats.default_models import DEFAULT_DRAFT
+    from specdecode.models.pairing import MAX_USEFUL_RATIO, installed_defaults, model_facts, pair
+
+    installed = installed_defaults()
+    if target is None:  # the default pair was chosen together
+        return DEFAULT_DRAFT if DEFAULT_DRAFT in installed else None
+    facts = model_facts(target)
+    usable = [p for p in (pair(facts, model_facts(name)) for name in installed if name != target)
+              if p.can_draft and p.ratio <= MAX_USEFUL_RATIO]
+    return min(usable, key=lambda p: p.ratio).candidate.name if usable else None
