@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
@@ -81,7 +82,7 @@ class SpecConfig:
     the draft length, and each drafter's own options by name (declared in its file, e.g. ngram_max=3).
     `guard` pauses drafting while it measures slower than plain decoding (speed_guard.py). `combine` is how a
     chain picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the most
-    expected tokens per second, drafters/step_choice.py).
+    expected tokens per second, drafters/step_choice.py). `relaxed` opts into lossy acceptance (relaxed.py).
 
         SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
     """
@@ -92,11 +93,13 @@ class SpecConfig:
     options: tuple[tuple[str, Any], ...]  # (option name, value), sorted by name; unset options keep defaults
     guard: bool
     combine: str
+    relaxed: str | None  # opt-in lossy acceptance, "RULE:VALUE" (relaxed.py); None = exact, lossless
 
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), guard: bool = True,
-                 combine: str = "first", **named_options: Any):
+                 combine: str = "first", relaxed: str | None = None, **named_options: Any):
         from specdecode.drafters.registry import canonical_method, check_options_given  # registry imports this
+        from specdecode.relaxed import Relaxed  # imports torch, which `specdecode models` does without
 
         if (not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool)
                 or not isinstance(guard, bool)):
@@ -110,6 +113,9 @@ class SpecConfig:
         object.__setattr__(self, "options", tuple(sorted(merged.items())))
         object.__setattr__(self, "guard", guard)
         object.__setattr__(self, "combine", combine)
+        if relaxed is not None and not isinstance(relaxed, str):
+            raise SpecDecodeError(f"relaxed must be a string such as 'typical' or 'threshold:0.3', got {relaxed!r}")
+        object.__setattr__(self, "relaxed", None if relaxed is None else str(Relaxed.parse(relaxed)))
         if combine not in COMBINE_RULES:
             raise SpecDecodeError(f"combine must be one of {', '.join(COMBINE_RULES)}, got {combine!r}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -117,6 +123,17 @@ class SpecConfig:
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
         check_options_given(merged)
+
+    @cached_property
+    def relaxation(self):
+        """The relaxed acceptance rule (a relaxed.Relaxed), or None for the exact, lossless one (parsed once)."""
+        from specdecode.relaxed import Relaxed
+
+        return None if self.relaxed is None else Relaxed.parse(self.relaxed)
+
+    @property
+    def lossless(self) -> bool:
+        return self.relaxed is None
 
     @property
     def methods(self) -> tuple[str, ...]:

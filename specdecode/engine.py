@@ -169,7 +169,7 @@ class Engine:
         eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
         guard = SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts)
         seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
-                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids)), eos, guard)
+                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed), eos, guard)
         device = self.target.model.device
         prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
                               torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
@@ -192,7 +192,7 @@ class Engine:
         proposed = perf_counter()
         start = len(seq.tokens) - 1  # the root: the last committed token, not in the cache yet
         out = self._forward(seq, verify_inputs(seq.tokens[-1], proposal, start, self.target.model.device))
-        result = verify(proposal, out.logits, seq.sampling, seq.generator)
+        result = verify(proposal, out.logits, seq.sampling, seq.generator, seq.spec.relaxation)
         seq.cache.keep(start, result.kept_rows)
         seq.tokens.extend(result.tokens)
         accepted_path = out.rows(result.kept_rows)

@@ -32,6 +32,11 @@ class GenerationStats:
     steps_without_draft: dict[str, int] = field(default_factory=dict)
     guard_shrinks: int = 0  # times the speed guard halved the draft length
     guard_pauses: int = 0  # times it paused drafting
+    relaxed: str | None = None  # the opt-in lossy acceptance rule ("RULE:VALUE"), None when lossless
+
+    @property
+    def lossless(self) -> bool:
+        return self.relaxed is None
 
     def record_undrafted(self, reason: str) -> None:
         self.steps_without_draft[reason] = self.steps_without_draft.get(reason, 0) + 1
@@ -96,6 +101,8 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "method": self.method,
+            "acceptance": self.relaxed or "exact",
+            "lossless": self.lossless,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "drafted_tokens": self.drafted_tokens,
@@ -128,7 +135,8 @@ class GenerationStats:
 
 def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
     """Sum several requests' stats (the turns of a question, the questions of a run) into one."""
-    total = GenerationStats(method=method)
+    relaxed = {part.relaxed for part in parts} - {None}
+    total = GenerationStats(method=method, relaxed=",".join(sorted(relaxed)) or None)
     for part in parts:
         for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
                      "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "draft_seconds",

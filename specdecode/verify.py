@@ -27,40 +27,64 @@ from __future__ import annotations
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.relaxed import Relaxed
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, VerifyResult
 from specdecode.tree import children_of
 
 
 def verify(proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> VerifyResult:
+           generator: torch.Generator | None, relaxed: Relaxed | None = None) -> VerifyResult:
     """proposal of N nodes, target_logits [N+1, V] -> the step's VerifyResult.
 
     proposal.probs must be the distributions the nodes were sampled from, via logits_to_probs with these same
     params. A drafter that picks tokens deterministically must pass None, never the softmax of its logits:
     its tokens were not drawn from that q, and rejection sampling against it is biased.
+    `relaxed` (opt-in, lossy, relaxed.py) also keeps the drafts its rule keeps.
     """
     children = children_of(proposal.parent_list())
     if params.greedy:
-        return greedy_walk(proposal, children, target_logits)
-    return sampling_walk(proposal, children, logits_to_probs(target_logits, params), generator)
+        relaxed_keeps = None if relaxed is None else _relaxed_keeps(
+            relaxed, proposal, torch.softmax(target_logits.float(), dim=-1))  # p [N+1, V] only when asked
+        return greedy_walk(proposal, children, target_logits, relaxed_keeps)
+    p = logits_to_probs(target_logits, params)  # [N+1, V]
+    return sampling_walk(proposal, children, p, generator, _relaxed_keeps(relaxed, proposal, p))
 
 
-def greedy_walk(proposal: DraftProposal, children: list[list[int]], target_logits: torch.Tensor) -> VerifyResult:
-    """From the root, step to the first child equal to the target's argmax there, while one is."""
+def greedy_walk(proposal: DraftProposal, children: list[list[int]], target_logits: torch.Tensor,
+                relaxed_keeps: list[bool] | None = None) -> VerifyResult:
+    """From the root, step to the first child equal to the target's argmax there, while one is (else, with
+    relaxed acceptance, to the first child its rule keeps)."""
     best = target_logits.argmax(dim=-1)  # [N+1]; ties -> lowest id, as in plain greedy decoding
     host = torch.cat([best, proposal.tokens.to(best.device)]).tolist()  # one sync for both
     best, tokens = host[: len(children)], host[len(children):]
     row, path = 0, []
-    while (node := next((c for c in children[row] if tokens[c] == best[row]), None)) is not None:
+    while (node := _greedy_child(children[row], tokens, best[row], relaxed_keeps)) is not None:
         path.append(node)
         row = node + 1
     return VerifyResult(path, [tokens[i] for i in path] + [best[row]], proposal.source)
 
 
+def _greedy_child(siblings: list[int], tokens: list[int], best: int, relaxed_keeps: list[bool] | None
+                  ) -> int | None:
+    exact = next((c for c in siblings if tokens[c] == best), None)
+    if exact is not None or relaxed_keeps is None:
+        return exact
+    return next((c for c in siblings if relaxed_keeps[c]), None)
+
+
+def _relaxed_keeps(relaxed: Relaxed | None, proposal: DraftProposal, p: torch.Tensor) -> list[bool] | None:
+    """Which nodes the relaxed rule keeps (None without one); p [N+1, V]."""
+    if relaxed is None or proposal.size == 0:
+        return None
+    parent_rows = torch.tensor(proposal.parent_list(), dtype=torch.long, device=p.device) + 1  # [N]
+    return relaxed.keeps(p, parent_rows, proposal.tokens.to(p.device)).tolist()
+
+
 def sampling_walk(proposal: DraftProposal, children: list[list[int]], p: torch.Tensor,
-                  generator: torch.Generator | None) -> VerifyResult:
-    """p [N+1, V] target probabilities per row; siblings are tried in index order."""
+                  generator: torch.Generator | None, relaxed_keeps: list[bool] | None = None) -> VerifyResult:
+    """p [N+1, V] target probabilities per row; siblings are tried in index order (with relaxed acceptance,
+    the first sibling its rule keeps wins before the exact rule is asked)."""
     num_nodes, device = proposal.size, p.device
     tokens = proposal.tokens.to(device)  # [N]
     parent_rows = torch.tensor(proposal.parent_list(), dtype=torch.long, device=device) + 1  # [N]
@@ -73,7 +97,10 @@ def sampling_walk(proposal: DraftProposal, children: list[list[int]], p: torch.T
 
     row, path, residual = 0, [], None
     while children[row]:
-        if q is None:
+        relaxed_node = next((c for c in children[row] if relaxed_keeps[c]), None) if relaxed_keeps else None
+        if relaxed_node is not None:
+            node, residual = relaxed_node, None
+        elif q is None:
             node, residual = _one_hot_siblings(children[row], host_tokens, u, px, p[row])
         else:
             node, residual = _drawn_siblings(children[row], host_tokens, u, px, qx, p[row], q)

@@ -46,7 +46,7 @@ def test_a_lossless_configuration_passes_with_its_numbers(models, capsys, method
 
 
 def test_a_greedy_rule_that_accepts_every_draft_is_caught(models, capsys, monkeypatch):
-    def accept_all(proposal, children, target_logits):
+    def accept_all(proposal, children, target_logits, relaxed_keeps=None):
         tokens, path, row = proposal.tokens.tolist(), [], 0
         while children[row]:
             path.append(children[row][0])

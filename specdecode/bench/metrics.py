@@ -98,6 +98,7 @@ def summarize(runs: list[list[QuestionResult]], baseline_runs: list[list[Questio
         ceiling = ceiling_speedup(total.token_acceptance, k, c) if total.drafted_tokens else 1.0
         spent = total.total_seconds or 1.0
         summary.update({
+            "relaxed": total.relaxed,  # the lossy acceptance rule it ran with, None when lossless
             "mean_accepted_length": round(total.mean_accepted_length, 3),
             "acceptance_rate": round(total.acceptance_rate, 4),
             "token_acceptance": round(total.token_acceptance, 4),

@@ -21,13 +21,18 @@ def table(summaries: dict[str, dict]) -> str:
     for name, summary in summaries.items():
         row = []
         for key, _, fmt in COLUMNS:
-            value = name if key == "method" else summary.get(key)
+            value = method_label(name, summary) if key == "method" else summary.get(key)
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def method_label(name: str, summary: dict) -> str:
+    """The method's name, marked where it ran with relaxed (lossy) acceptance."""
+    return f"{name} (lossy: {summary['relaxed']})" if summary.get("relaxed") else name
 
 
 def environment() -> dict:
@@ -64,7 +69,7 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
     lines += ["", "## Methods", "", "| " + " | ".join(t for _, t, _ in COLUMNS) + " | time split (draft / verify "
               "/ prefill / other) |", "|" + "---|" * (len(COLUMNS) + 1)]
     for name, s in summaries.items():
-        cells = [name if key == "method" else ("-" if s.get(key) is None else fmt.format(s[key]))
+        cells = [method_label(name, s) if key == "method" else ("-" if s.get(key) is None else fmt.format(s[key]))
                  for key, _, fmt in COLUMNS]
         split = s.get("time_split")
         cells.append(" / ".join(f"{split[p]:.0%}" for p in ("draft", "verify", "prefill", "other")) if split else "-")

@@ -35,6 +35,7 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
         k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
+        relaxed = base.relaxed
         if name == "auto":
             if auto_chain is None:
                 raise SpecDecodeError("'auto' in --methods needs the chain auto chose")
@@ -47,13 +48,17 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
                 guard = value == "on"
             elif key == "combine" and value in COMBINE_RULES:
                 combine = value
+            elif key == "relaxed" and value:
+                relaxed = None if value == "off" else value
             elif key in known and value:
                 options[key] = _option_value(key, value, type(known[key][1].default))
             else:
                 raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, guard=on|off, "
-                                      f"combine={'|'.join(COMBINE_RULES)} or a drafter option "
+                                      f"combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off or a drafter "
+                                      "option "
                                       f"({', '.join(sorted(known))}) as NAME=VALUE")
-        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options, guard=guard, combine=combine)
+        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options, guard=guard, combine=combine,
+                          relaxed=relaxed)
         check_options(spec)
         if label in (s.name for s in specs[1:]):
             raise SpecDecodeError(f"method {label!r} is listed twice in --methods")

@@ -26,9 +26,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--per-category", type=int, help="first N questions of each category")
     bench.add_argument("--methods", default="ngram,draft,ngram+draft",
                        help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length, "
-                       "':guard=on|off' the speed guard, ':combine=first|best' a chain's rule and ':NAME=VALUE' a "
-                       "drafter option (draft:draft_tree_nodes=8), ';' between settings; "
-                       "plain decoding (none) always runs as the baseline")
+                       "':guard=on|off' the speed guard, ':combine=first|best' a chain's rule, "
+                       "':relaxed=RULE[:VALUE]' lossy acceptance (marked in the report) and ':NAME=VALUE' a "
+                       "drafter option (draft:draft_tree_nodes=8), ';' between settings; 'auto' what --spec-type auto "
+                       "picks; plain decoding (none) always runs as the baseline")
     bench.add_argument("--peer", action="append", default=[],
                        help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation on the same "
                        "weights; openai=URL[,name=LABEL]: any OpenAI-compatible server (llama-server, vLLM, ours); "

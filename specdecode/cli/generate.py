@@ -91,6 +91,8 @@ def compare_plain(engine: Engine, prompt: str, sampling, args, token_ids: list[i
 def stats_line(stats: GenerationStats) -> str:
     line = (f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens, "
             f"{stats.tokens_per_second:.2f} tokens/s, method {stats.method}")
+    if stats.relaxed:
+        line += f", LOSSY relaxed acceptance {stats.relaxed}"
     if stats.drafted_tokens:
         line += (f", acceptance {stats.acceptance_rate:.1%}, mean accepted length "
                  f"{stats.mean_accepted_length:.2f}")

@@ -60,6 +60,11 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                        help="never slower than plain: shrink, then pause drafting while it measures slower, and "
                        "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded "
                        "run draws)")
+    group.add_argument("--relaxed-acceptance", metavar="RULE[:VALUE]",
+                       help="opt-in LOSSY acceptance that keeps more drafts, so the output is no longer exactly the "
+                       "target's: typical[:EPSILON] (Medusa's typical acceptance, default 0.09) or threshold[:P] "
+                       "(keep a draft the target gives at least P, as SGLang's accept threshold; default 0.3); "
+                       "labelled lossy in stats, responses and bench, and `check` fails it; default off")
     for name, (cls, item) in all_options().items():
         primary = "--" + name.replace("_", "-")
         flags = [primary, *(f for f in (item.metadata["llama_cpp"], *item.metadata["cli"]) if f and f != primary)]
@@ -155,7 +160,7 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
         has_draft = args.draft_model is not None
     method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
     return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
-                      combine=args.combine)
+                      combine=args.combine, relaxed=args.relaxed_acceptance)
 
 
 def apply_auto(args: argparse.Namespace) -> AutoChoice:

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
             max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
             shutdown_grace=args.shutdown_grace)
         port = listening.getsockname()[1]
-        print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}) on "
+        lossy = f", LOSSY relaxed acceptance {spec.relaxed}" if spec.relaxed else ""
+        print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}{lossy}) on "
               f"http://{args.host}:{port}/v1", file=sys.stderr)
         config = uvicorn.Config(create_app(engine, settings), host=args.host, port=port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
