@@ -222,6 +222,11 @@ class Engine:
         seq.stats.drafter_request_bytes = seq.drafter.request_bytes(seq)
         seq.stats.guard_shrinks, seq.stats.guard_pauses = seq.guard.shrinks, seq.guard.pauses
 
+    def drafter_weights_bytes(self) -> int:
+        """Memory of the drafters' own weights (EAGLE-3 heads, each once; the draft model counts as a model)."""
+        modules = self.resources.own_weights.values()
+        return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+
     def drafter_cache_bytes(self) -> int:
         """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""
         return sum(member.cache_bytes() for member in self._members.values())

@@ -117,6 +117,13 @@ def test_greedy_output_equals_plain_decoding_on_a_deeper_target(target8, tmp_pat
         assert result.token_ids == plain.token_ids
         assert result.stats.drafted_tokens > 0
         assert result.stats.drafter_request_bytes > 0
+    # The head's own weights count as the drafter's (the shared embedding is the target's), loaded and counted
+    # once per Engine however many configurations (chain, tree, chains with other methods) use it.
+    head = engine.drafter(SpecConfig("eagle3")).head
+    assert engine.drafter(SpecConfig("eagle3", options={"eagle3_tree_nodes": 4})).head is head
+    own = sum(t.numel() * t.element_size() for t in [*head.parameters(), *head.buffers()])
+    assert engine.drafter_weights_bytes() == own > 0
+    assert engine.drafter(SpecConfig("ngram,eagle3")).weights_bytes() == own
 
 
 def test_a_narrower_head_brings_its_own_embedding(target8, tmp_path):

@@ -60,7 +60,7 @@ def trial(engine: Engine, questions: list[Question], methods: list[MethodSpec],
 
 def _weights_bytes(engine: Engine, method: MethodSpec) -> int:
     models = [engine.target] + ([engine.draft] if needs_draft_model(method.spec) else [])
-    return sum(m.weights_bytes for m in models)
+    return sum(m.weights_bytes for m in models) + engine.drafter(method.spec).weights_bytes()
 
 
 def command_line(ranked: Ranked, model_flags: list[str]) -> str:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
+    import torch
+
     from specdecode.models.loader import LoadedModel
 
 
@@ -42,6 +44,9 @@ class DrafterResources:
     draft: LoadedModel | None = None
     context_limit: int = 0
     draft_path: str | None = None  # --draft-head as given, for drafters with their own weight format
+    # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
+    # differ only in options share them, and the Engine counts them once.
+    own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,
@@ -94,6 +99,10 @@ class Drafter:
 
     def cache_bytes(self) -> int:
         """Memory held by caches that outlive a request (reported in stats; weights are not counted)."""
+        return 0
+
+    def weights_bytes(self) -> int:
+        """Memory held by weights of the drafter's own (an EAGLE-3 head); a draft model's are the Engine's."""
         return 0
 
     def request_bytes(self, seq: Sequence) -> int:

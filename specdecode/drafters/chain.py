@@ -94,6 +94,9 @@ class ChainDrafter(Drafter):
     def cache_bytes(self) -> int:
         return sum(member.cache_bytes() for member in self.members)
 
+    def weights_bytes(self) -> int:
+        return sum(member.weights_bytes() for member in self.members)
+
     def request_bytes(self, seq: Sequence) -> int:
         return sum(member.request_bytes(seq) for member in self.members)
 

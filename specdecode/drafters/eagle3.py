@@ -80,9 +80,13 @@ class Eagle3Drafter(Drafter):
             raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
                                   "config.json and safetensors weights)")
         target = resources.target.model
-        head, description = load_eagle3_head(resources.draft_path, target, resources.context_limit + MAX_DRAFT_TOKENS)
-        log.info("%s", description)
-        return cls(head, target.config.vocab_size, options)
+        key = f"eagle3:{resources.draft_path}"
+        if key not in resources.own_weights:  # another configuration (chain or tree) may have loaded it
+            head, description = load_eagle3_head(resources.draft_path, target,
+                                                 resources.context_limit + MAX_DRAFT_TOKENS)
+            log.info("%s", description)
+            resources.own_weights[key] = head
+        return cls(resources.own_weights[key], target.config.vocab_size, options)
 
     @property
     def tree(self) -> bool:
@@ -106,6 +110,11 @@ class Eagle3Drafter(Drafter):
         state = seq.drafter_state[self.name]
         state.cache.truncate(state.fed)  # a proposal's rows go; the target's features of the path come in
         state.pending = torch.cat([state.pending, self._features(target)])
+
+    def weights_bytes(self) -> int:
+        """The head's own tensors; the target's embedding (and head, when shared) are not registered in it."""
+        tensors = [*self.head.parameters(), *self.head.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def request_bytes(self, seq: Sequence) -> int:
         state = seq.drafter_state.get(self.name)

@@ -74,7 +74,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body = metrics.render(*scheduler.load, weights, engine.drafter_cache_bytes())
+        head = engine.drafter_weights_bytes()
+        body = metrics.render(*scheduler.load, weights | ({"drafter": head} if head else {}),
+                              engine.drafter_cache_bytes())
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
