@@ -156,8 +156,7 @@ def drafter_options(args: argparse.Namespace) -> dict:
 
 def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
     if args.spec_type == "auto":
-        apply_auto(args)
-        has_draft = args.draft_model is not None
+        apply_auto(args)  # sets --spec-type to the chain it chose
     method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
     return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
                       combine=args.combine, relaxed=args.relaxed_acceptance)
