@@ -22,6 +22,7 @@ from specdecode.drafters import Drafter, DrafterResources, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.models.loader import LoadedModel
+from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.speed_guard import PlainStepClock, SpeedGuard
 from specdecode.stats import GenerationStats
@@ -55,9 +56,10 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
-                 context_limit: int | None = None, draft_path: str | Path | None = None):
+                 context_limit: int | None = None, draft_path: str | Path | None = None, draft_quant: str = "none"):
         """`draft`: a draft model (method 'draft'); `draft_path`: the weights of a drafter with its own format
-        (an EAGLE-3 head folder), read by that drafter when a spec first uses it."""
+        (an EAGLE-3 head folder), read by that drafter when a spec first uses it; `draft_quant`: what those
+        weights run as (none, int8, int4, w4a8; the CLI's --draft-quant with auto resolved)."""
         self.target = target
         self.draft = draft
         self.spec = spec or SpecConfig()
@@ -67,8 +69,9 @@ class Engine:
             raise SpecDecodeError(f"the context limit must be a positive number of tokens (None: the model's "
                                   f"{model_limit}), got {context_limit!r}")
         self.context_limit = model_limit if context_limit is None else min(context_limit, model_limit)
+        check_quant(draft_quant, 32)
         self.resources = DrafterResources(target, draft, self.context_limit,
-                                          None if draft_path is None else str(draft_path))
+                                          None if draft_path is None else str(draft_path), draft_quant)
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request

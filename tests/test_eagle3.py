@@ -20,6 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT
 from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
 from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 HIDDEN = 64  # the tiny target's
 # Boundary ids each layout's test head is written for, on an 8-layer target (below 8: transformers returns
@@ -224,6 +225,27 @@ def test_command_line_and_vllm_forms(target8, tmp_path, capsys):
     assert draft_sources(head_only, False, True, load_draft_anyway=True) == (DEFAULT_DRAFT, str(folder))
     assert draft_sources(argparse.Namespace(draft_head=None, draft_model=str(folder), model=model), False, True,
                          load_draft_anyway=True) == (None, str(folder))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "w4a8"])
+def test_a_quantized_head_drafts_losslessly_for_less(target8, tmp_path, quant):
+    """--draft-quant applies to a head's own layers: cheaper drafts, the same output."""
+    if quant == "w4a8" and w4a8_unavailable():
+        pytest.skip(f"the w4a8 kernel does not run here ({w4a8_unavailable()})")
+    folder, _ = written(tmp_path, "reference")
+    float_engine, engine = Engine(target8[0], draft_path=folder), Engine(target8[0], draft_path=folder,
+                                                                         draft_quant=quant)
+    head = engine.drafter(SpecConfig("eagle3")).head
+    assert not isinstance(head.fc, torch.nn.Linear) and not isinstance(head.layer.attn.qkv, torch.nn.Linear)
+    float_engine.drafter(SpecConfig("eagle3"))
+    assert engine.drafter_weights_bytes() < float_engine.drafter_weights_bytes()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in ("abcabcabc", "the the the"):
+        plain = engine.complete(prompt, params, SpecConfig("none"))
+        drafted = engine.complete(prompt, params, SpecConfig("eagle3", guard=False))
+        assert drafted.token_ids == plain.token_ids and drafted.stats.drafted_tokens > 0
+    with pytest.raises(SpecDecodeError, match="unknown quantization"):
+        Engine(target8[0], draft_path=folder, draft_quant="auto")
 
 
 @pytest.mark.parametrize("variant", ["norm_before_fc", "fc_norm", "norm_output"])

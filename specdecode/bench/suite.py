@@ -106,7 +106,7 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
     question being measured, nor the warm-up's."""
     def fresh(reference: Engine) -> Engine:
         return Engine(reference.target, reference.draft, reference.spec, context_limit=reference.context_limit,
-                      draft_path=reference.resources.draft_path)
+                      draft_path=reference.resources.draft_path, draft_quant=reference.resources.draft_quant)
 
     factories: dict[str, RunnerFactory] = {
         m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}

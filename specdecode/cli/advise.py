@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
-                                    spec_from_args)
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
+                                    load_models, spec_from_args)
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     draft_name, draft_path = draft_sources(args, any(needs_draft_model(m.spec) for m in methods),
                                            any(needs_draft_files(m.spec) for m in methods))
     target, draft = load_models(args, draft_name, quiet=args.json)
-    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path)
+    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path,
+                    draft_quant=draft_quant(args))
     ranking = trial(engine, questions, methods, sampling)
 
     best = ranking[0]

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
     draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))
     target, draft = load_models(args, draft_name)
-    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path)
+    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path,
+                    draft_quant=draft_quant(args))
     for method in methods:
         engine.check_spec(method.spec)
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),

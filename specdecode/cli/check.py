@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
-                                    spec_from_args)
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
+                                    load_models, spec_from_args)
 from specdecode.config import SamplingParams
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--spec-type none is plain decoding: there is nothing to check")
     draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
     target, draft = load_models(args, draft_name, quiet=args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
+    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
+                    draft_quant=draft_quant(args))
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
 
     say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts")

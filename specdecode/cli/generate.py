@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name,
+from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name, draft_quant,
                                     draft_sources, load_models, sampling_from_args, spec_from_args)
 from specdecode.config import SpecConfig
 from specdecode.drafters import needs_draft_files, needs_draft_model
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
     draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
     target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
+    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
+                    draft_quant=draft_quant(args))
 
     token_ids: list[int] = []
     text: list[str] = []

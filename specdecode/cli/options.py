@@ -34,8 +34,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "kernel: x86 CPUs with AVX2 and FMA, AVX-512 VNNI where present; compiled at first use); "
                        "greedy identity holds against the target as loaded, quantization included")
     group.add_argument("--draft-quant", default="auto",
-                       help="draft weights: auto (on CPU w4a8 where it runs, else int4; none elsewhere), none, int8, "
-                       "int4 or w4a8; a cheaper draft never changes the output")
+                       help="draft weights, the draft model's and an EAGLE-3 head's: auto (on CPU w4a8 where it "
+                       "runs, else int4; none elsewhere), none, int8, int4 or w4a8; a cheaper draft never changes the "
+                       "output")
     group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
     group.add_argument("--context", type=int, help="context limit in tokens (default: the model's)")
 

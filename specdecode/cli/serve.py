@@ -8,8 +8,8 @@ import socket
 import sys
 from dataclasses import replace
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_sources, load_models,
-                                    spec_from_args)
+from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
+                                    load_models, spec_from_args)
 from specdecode.config import SpecConfig
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.drafters.registry import DRAFTERS, all_options, check_options, with_serve_defaults
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec),
                                                args.allow_draft_override)
         target, draft = load_models(args, draft_name)
-        engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path)
+        engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
+                        draft_quant=draft_quant(args))
         settings = ServerSettings(
             model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,

@@ -44,6 +44,7 @@ class DrafterResources:
     draft: LoadedModel | None = None
     context_limit: int = 0
     draft_path: str | None = None  # --draft-head as given, for drafters with their own weight format
+    draft_quant: str = "none"  # what a drafter's own weights run as: none, int8, int4 or w4a8
     # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
     # differ only in options share them, and the Engine counts them once.
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)

@@ -75,6 +75,7 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def create(cls, resources: DrafterResources, options: Eagle3Options) -> Eagle3Drafter:
         from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
+        from specdecode.models.quant.quantize_module import quantize_linears
 
         if resources.draft_path is None:
             raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
@@ -84,7 +85,9 @@ class Eagle3Drafter(Drafter):
         if key not in resources.own_weights:  # another configuration (chain or tree) may have loaded it
             head, description = load_eagle3_head(resources.draft_path, target,
                                                  resources.context_limit + MAX_DRAFT_TOKENS)
-            log.info("%s", description)
+            # Its share of each step is mostly these matrix products: on CPU, --draft-quant's kernels.
+            quantized = quantize_linears(head, resources.draft_quant)
+            log.info("%s%s", description, f"; {quantized} layers in {resources.draft_quant}" if quantized else "")
             resources.own_weights[key] = head
         return cls(resources.own_weights[key], target.config.vocab_size, options)
 

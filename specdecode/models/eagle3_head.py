@@ -97,16 +97,15 @@ class Eagle3Head(nn.Module):
 
     def finish_loading(self, max_positions: int) -> None:
         """Once weights, dtype and device are final: the head's own rope table (its config's theta and scaling)."""
-        weight = self.fc.weight
-        self.rope = RopeTable(inverse_frequencies(self.config.layer), max_positions, weight.dtype, weight.device)
+        self.rope = RopeTable(inverse_frequencies(self.config.layer), max_positions, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype  # a norm's: the linear layers may be quantized (no float .weight)
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, capacity: int) -> KVCache:
         layer = self.config.layer
