@@ -171,8 +171,9 @@ class Engine:
         cache = self.target.model.new_cache(capacity + drafter.max_nodes(draft_length.maximum))
         eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
         guard = SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts)
+        stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
         seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
-                       draft_length, GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed), eos, guard)
+                       draft_length, stats, eos, guard)
         device = self.target.model.device
         prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
                               torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
