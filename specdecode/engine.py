@@ -21,7 +21,7 @@ from specdecode.draft_length import DraftLength
 from specdecode.drafters import Drafter, DrafterResources, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.logprobs import TokenLogprob, token_logprobs
-from specdecode.models.loader import LoadedModel
+from specdecode.models.loader import LoadedModel, module_bytes
 from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.speed_guard import PlainStepClock, SpeedGuard
@@ -228,8 +228,7 @@ class Engine:
 
     def drafter_weights_bytes(self) -> int:
         """Memory of the drafters' own weights (EAGLE-3 heads, each once; the draft model counts as a model)."""
-        modules = self.resources.own_weights.values()
-        return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+        return sum(module_bytes(module) for module in self.resources.own_weights.values())
 
     def drafter_cache_bytes(self) -> int:
         """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""

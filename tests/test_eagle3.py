@@ -19,7 +19,7 @@ from specdecode.cli.serve import spec_from_vllm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT
 from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
-from specdecode.models.loader import load_model
+from specdecode.models.loader import load_model, module_bytes
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 HIDDEN = 64  # the tiny target's
@@ -122,7 +122,7 @@ def test_greedy_output_equals_plain_decoding_on_a_deeper_target(target8, tmp_pat
     # once per Engine however many configurations (chain, tree, chains with other methods) use it.
     head = engine.drafter(SpecConfig("eagle3")).head
     assert engine.drafter(SpecConfig("eagle3", options={"eagle3_tree_nodes": 4})).head is head
-    own = sum(t.numel() * t.element_size() for t in [*head.parameters(), *head.buffers()])
+    own = module_bytes(head)
     assert engine.drafter_weights_bytes() == own > 0
     assert engine.drafter(SpecConfig("ngram,eagle3")).weights_bytes() == own
 

@@ -24,6 +24,7 @@ from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
 from specdecode.models.kv_cache import KVCache
+from specdecode.models.loader import module_bytes
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -116,8 +117,7 @@ class Eagle3Drafter(Drafter):
 
     def weights_bytes(self) -> int:
         """The head's own tensors; the target's embedding (and head, when shared) are not registered in it."""
-        tensors = [*self.head.parameters(), *self.head.buffers()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return module_bytes(self.head)
 
     def request_bytes(self, seq: Sequence) -> int:
         state = seq.drafter_state.get(self.name)

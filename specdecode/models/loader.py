@@ -45,10 +45,13 @@ class LoadedModel:
 
     @property
     def weights_bytes(self) -> int:
-        """Memory its weights hold (tied weights counted once; quantized codes at their packed size)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in self.model.state_dict().values()}
-        return sum(storages.values())
+        return module_bytes(self.model)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Memory a module's weights hold (tied weights counted once; quantized codes at their packed size)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in module.state_dict().values()}
+    return sum(storages.values())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

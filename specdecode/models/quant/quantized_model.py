@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -110,16 +110,24 @@ def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias:
     """One linear layer whose weight stacks the tensors `names` along the output dimension, read a block of
     rows at a time."""
     shape = (sum(source.shape(n)[0] for n in names), source.shape(names[0])[1])  # [N, K]
+    q4_k = group_size == Q4_K_GROUP and all(source.is_q4_k(n) for n in names)
+    return quantized_from_rows(shape, lambda: row_blocks(source, names, source.get), bias, quant, group_size, dtype,
+                               (lambda: row_blocks(source, names, source.q4_k)) if q4_k else None)
+
+
+def quantized_from_rows(shape: tuple[int, int], rows: Callable[[], Iterable[torch.Tensor]], bias: torch.Tensor | None,
+                        quant: str, group_size: int, dtype: torch.dtype,
+                        groups: Callable[[], Iterable[tuple[torch.Tensor, ...]]] | None = None) -> nn.Module:
+    """A linear layer of a float weight of `shape` [N, K], read as blocks of rows by `rows()`: in `quant` where
+    the shape fits its kernel, else int8 per channel. `groups()`: int4 groups already at hand (a GGUF's Q4_K
+    codes), used instead of min-max groups of the float rows."""
     fits = w4a8_fits(*shape) if quant == "w4a8" else int4_fits(*shape, group_size)
     if quant == "int8" or not fits:
-        return Int8Linear.from_blocks(row_blocks(source, names, source.get), bias, dtype)
-    if group_size == Q4_K_GROUP and all(source.is_q4_k(n) for n in names):
-        groups = row_blocks(source, names, source.q4_k)
-    else:
-        groups = (minmax_groups(block, group_size) for block in row_blocks(source, names, source.get))
+        return Int8Linear.from_blocks(rows(), bias, dtype)
+    int4_groups = groups() if groups is not None else (minmax_groups(block, group_size) for block in rows())
     if quant == "w4a8":
-        return W4A8Linear.from_groups(groups, bias)
-    return Int4Linear.from_groups(groups, bias, group_size, dtype)
+        return W4A8Linear.from_groups(int4_groups, bias)
+    return Int4Linear.from_groups(int4_groups, bias, group_size, dtype)
 
 
 def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path], None] | None = None) -> None:
