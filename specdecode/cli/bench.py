@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from specdecode.auto_method import choose
 from specdecode.bench.datasets import load_questions
 from specdecode.bench.suite import parse_methods, run_bench
-from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, draft_quant, draft_sources,
-                                    load_models, sampling_from_args, spec_from_args)
+from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, auto_sources, draft_quant,
+                                    draft_sources, load_models, sampling_from_args, spec_from_args)
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
@@ -56,12 +54,8 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
                                args.per_category)
     sampling = sampling_from_args(args)
-    auto_chain = None
-    if "auto" in (label.partition(":")[0].strip() for label in args.methods.split(",")):
-        choice = choose(args.model, args.draft_model, args.draft_head)  # the members' weights load once, below
-        args.draft_model, args.draft_head = args.draft_model or choice.draft_model, args.draft_head or choice.draft_head
-        auto_chain = choice.method
-        print(choice.line(), file=sys.stderr)
+    wants_auto = "auto" in (label.partition(":")[0].strip() for label in args.methods.split(","))
+    auto_chain = auto_sources(args).method if wants_auto else None  # its members' weights load once, below
     methods = parse_methods(args.methods, spec_from_args(args, has_draft=True), auto_chain)
     needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
     draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))

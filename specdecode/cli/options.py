@@ -163,12 +163,16 @@ def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
                       combine=args.combine, relaxed=args.relaxed_acceptance)
 
 
-def apply_auto(args: argparse.Namespace) -> AutoChoice:
-    """--spec-type auto: the drafters found for the target become the chain, with per-step choice; one line
+def apply_auto(args: argparse.Namespace) -> None:
+    """--spec-type auto: the drafters found for the target become the chain, with per-step choice."""
+    args.spec_type, args.combine = auto_sources(args).method, "best"
+
+
+def auto_sources(args: argparse.Namespace) -> AutoChoice:
+    """What auto finds for the target: its draft model and head become --draft-model and --draft-head; one line
     says what and why."""
     choice = choose(args.model, args.draft_model, args.draft_head)
-    args.spec_type, args.draft_model, args.draft_head = choice.method, choice.draft_model, choice.draft_head
-    args.combine = "best"
+    args.draft_model, args.draft_head = choice.draft_model, choice.draft_head
     if not (getattr(args, "quiet", False) or getattr(args, "json", False)):
         print(choice.line(), file=sys.stderr)
     return choice
