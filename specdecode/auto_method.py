@@ -11,7 +11,7 @@ Where it looks:
   (head_folder below);
 - a draft model: --draft-model, else the smallest installed default model with the target's vocabulary and at
   most half its weights (the pairing rule of `specdecode models --drafts-for`);
-- MTP layers are not run by this runtime yet, so they are not looked for.
+- MTP layers: in the target's own weights (models/survey.py reads its config and tensor names).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def head_folder(target: str | None) -> Path:
 def choose(target: str | None, draft_model: str | None, draft_head: str | None) -> AutoChoice:
     """The drafters for `target` (None: the default target) given what the user named and what is installed."""
     members, found = [LOOKUP], []
+    if _ships_mtp(target):
+        members.append("mtp")
+        found.append("the target ships MTP layers")
     head = draft_head or _trained_head(target)
     if head is not None:
         members.append("eagle3")
@@ -58,9 +61,20 @@ def choose(target: str | None, draft_model: str | None, draft_head: str | None) 
         members.append("draft")
         found.append(f"draft model {draft}{' given' if draft_model else ', installed, same vocabulary'}")
     if len(members) == 1:
-        found.append("no EAGLE-3 head or draft model found for this target")
+        found.append("no MTP layers, EAGLE-3 head or draft model found for this target")
     found.append(f"{LOOKUP} for text that repeats")
     return AutoChoice(",".join(members), draft, head, "; ".join(found))
+
+
+def _ships_mtp(target: str | None) -> bool:
+    from specdecode.models.formats.default_models import DEFAULT_MODELS, status
+    from specdecode.models.loader import resolve_source
+    from specdecode.models.survey import survey
+
+    name = target or DEFAULT_TARGET
+    if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
+        return False  # the default models ship none; assembling one only to look would take a minute
+    return survey(resolve_source(name, quiet=True)).mtp_present > 0
 
 
 def _trained_head(target: str | None) -> str | None:

@@ -33,10 +33,16 @@ class GenerationStats:
     guard_shrinks: int = 0  # times the speed guard halved the draft length
     guard_pauses: int = 0  # times it paused drafting
     relaxed: str | None = None  # the opt-in lossy acceptance rule ("RULE:VALUE"), None when lossless
+    # What a drafter says of how it drafted, counted: "mtp_module_reused" (draft tokens made by an MTP model's
+    # last module again, when it ships fewer modules than the draft is long).
+    drafter_notes: dict[str, int] = field(default_factory=dict)
 
     @property
     def lossless(self) -> bool:
         return self.relaxed is None
+
+    def note(self, what: str, count: int = 1) -> None:
+        self.drafter_notes[what] = self.drafter_notes.get(what, 0) + count
 
     def record_undrafted(self, reason: str) -> None:
         self.steps_without_draft[reason] = self.steps_without_draft.get(reason, 0) + 1
@@ -117,6 +123,7 @@ class GenerationStats:
             "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
             "drafted_by": dict(self.drafted_by),
             "accepted_by": dict(self.accepted_by),
+            "drafter_notes": dict(self.drafter_notes),
             "target_forwards": self.target_forwards,
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),

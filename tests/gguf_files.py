@@ -34,6 +34,15 @@ _BLOCK = {
     "mlp.up_proj.weight": ("ffn_up.weight", F16),
     "mlp.down_proj.weight": ("ffn_down.weight", Q8_0),
 }
+# DeepSeek-named MTP parts (after "model.layers.N.") -> llama.cpp's nextn tensors (gguf-py's MODEL_TENSOR.NEXTN_*).
+_NEXTN = {
+    "eh_proj.weight": ("nextn.eh_proj.weight", F16),
+    "enorm.weight": ("nextn.enorm.weight", F32),
+    "hnorm.weight": ("nextn.hnorm.weight", F32),
+    "shared_head.norm.weight": ("nextn.shared_head_norm.weight", F32),
+    "shared_head.head.weight": ("nextn.shared_head_head.weight", F16),
+    "embed_tokens.weight": ("nextn.embed_tokens.weight", Q8_0),
+}
 _GLOBAL = {
     "model.embed_tokens.weight": ("token_embd.weight", Q8_0),
     "model.norm.weight": ("output_norm.weight", F32),
@@ -65,8 +74,12 @@ def llama3_rope_factors(scaling: dict, head_dim: int) -> np.ndarray:
 
 
 def hf_weights(folder: Path) -> dict[str, np.ndarray]:
-    with safe_open(str(folder / "model.safetensors"), framework="np") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
+    """Every tensor of the folder's safetensors files (MTP layers may sit in a second one)."""
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as handle:
+            weights.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return weights
 
 
 def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
@@ -100,7 +113,11 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
+    # llama.cpp counts MTP ("nextn") blocks in block_count, after the trunk's.
+    nextn = config.get("num_nextn_predict_layers", 0)
+    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
@@ -124,7 +141,7 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
             gguf_name, qtype = _GLOBAL[name]
         else:
             _, _, block, rest = name.split(".", 3)
-            gguf_name, qtype = _BLOCK[rest]
+            gguf_name, qtype = _NEXTN[rest] if rest in _NEXTN else _BLOCK[rest]
             gguf_name = f"blk.{block}.{gguf_name}"
         if arch == "llama" and ".attn_q." in gguf_name:
             weight = llama_cpp_permute(weight, heads)

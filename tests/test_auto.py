@@ -37,7 +37,7 @@ def write_trained_head(target) -> None:
 def test_what_auto_finds(cache, tiny_target, monkeypatch):
     alone = choose(str(tiny_target), None, None)
     assert (alone.method, alone.draft_model, alone.draft_head) == ("suffix", None, None)
-    assert "no EAGLE-3 head or draft model found" in alone.reason
+    assert "no MTP layers, EAGLE-3 head or draft model found" in alone.reason
     given = choose(str(tiny_target), "some-draft", None)
     assert (given.method, given.draft_model) == ("suffix,draft", "some-draft")
     write_trained_head(tiny_target)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, save_tiny_model
 from eagle3_reference import head_config, random_head, write_head
+from mtp_reference import add_mtp_layers
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -63,9 +64,11 @@ def eagle3_head(folder, target, vocab: int):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """The target, a noisy copy as the draft model, the target's folder, and an EAGLE-3 head for it."""
+    """The target (shipping an MTP module), a noisy copy as the draft model, the target's folder, and an EAGLE-3
+    head for it."""
     root = tmp_path_factory.mktemp("contract")
-    target = load_model(save_tiny_model(root / "target", "qwen2", scale=0.15), dtype="float32")
+    add_mtp_layers(save_tiny_model(root / "target", "qwen2", scale=0.15), "deepseek", follow=1.0)
+    target = load_model(root / "target", dtype="float32")
     draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
     return target, draft, root / "target", eagle3_head(root / "eagle3", target, TINY_VOCAB)
 
@@ -112,7 +115,8 @@ def test_w4a8_target_output_is_bitwise_plain_decoding(w4a8_engine, method, optio
 @pytest.fixture(scope="module")
 def small_vocab_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("contract-vocab8")
-    target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), dtype="float32")
+    add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)
+    target = load_model(root / "t", dtype="float32")
     draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB), dtype="float32")
     return Engine(target, draft, draft_path=eagle3_head(root / "eagle3", target, VOCAB))
 

@@ -1,4 +1,4 @@
-"""`specdecode generate | serve | bench | check | advise | models | convert | train`: the parser and the dispatch. A user error ends in one line
+"""`specdecode generate | serve | bench | check | advise | models | inspect | convert | train`: the parser and the dispatch. A user error ends in one line
 and exit code 2, Ctrl-C in "interrupted" and 130, never a traceback. Each subcommand lives in its own module and
 adds its own parser; none imports another. This module imports nothing heavy at the top, so that Ctrl-C during
 the imports of torch and the models (the first second or two) is answered like any other."""
@@ -23,11 +23,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdecode.cli import advise, bench, check, convert, generate, models, serve, train
+    from specdecode.cli import advise, bench, check, convert, generate, inspect_model, models, serve, train
 
     parser = OneLineParser(prog="specdecode", description="Lossless speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, serve, bench, check, advise, models, convert, train):
+    for module in (generate, serve, bench, check, advise, models, inspect_model, convert, train):
         module.add_parser(commands)
     return parser
 

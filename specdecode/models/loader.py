@@ -24,7 +24,8 @@ from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.transformer import Transformer
-from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, stacked
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, stacked, \
+    with_present_mtp
 from specdecode.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -155,6 +156,7 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
     else:
         config = read_config(source)
         weights = FolderWeights(files)
+        config = with_present_mtp(config, weights)
 
     def write_gguf_tokenizer(folder: Path) -> None:  # the file's own vocabulary, merges and chat template
         (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
@@ -195,8 +197,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
-    config = read_config(folder)
+    config = read_config(folder)  # first: an unsupported architecture says so before its weights are opened
     weights = FolderWeights(safetensors_files(folder))
+    config = with_present_mtp(config, weights)
     sources = matching_sources(weights, folder, config)
     rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
     state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from specdecode.errors import SpecDecodeError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Hugging Face model types that are one of ours plus multi-token-prediction layers (models/mtp.py).
+MTP_ARCHITECTURES = {"mimo": "qwen2"}
+MTP_LAYOUTS = ("deepseek", "mimo")  # tensor naming and concat order, see models/mtp.py
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Multi-token-prediction modules (models/mtp.py): how many the weights hold and load, how many the config
+    # declares (more when a conversion dropped them), and their naming.
+    mtp_layers: int = 0
+    mtp_declared: int = 0
+    mtp_layout: str = "deepseek"
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +65,11 @@ class ModelConfig:
             raise SpecDecodeError(f"config: bos_token_id and eos_token_id must be integers, got "
                                   f"{self.bos_token_id!r} and {list(self.eos_token_ids)!r}")
         _check_rope_scaling(self.rope_scaling)
+        if type(self.mtp_declared) is not int or not 0 <= self.mtp_layers <= self.mtp_declared <= MAX_MTP_LAYERS:
+            raise SpecDecodeError(f"config: num_nextn_predict_layers must be an integer from 0 to {MAX_MTP_LAYERS}, "
+                                  f"got {self.mtp_declared!r}")
+        if self.mtp_layout not in MTP_LAYOUTS:
+            raise SpecDecodeError(f"config: unknown MTP layout {self.mtp_layout!r}")
         if self.num_heads % self.num_kv_heads:
             raise SpecDecodeError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
@@ -69,7 +82,8 @@ class ModelConfig:
             + self.num_heads * self.head_dim * self.hidden_size
         layer = attention + 3 * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * layer
+        mtp = 2 * self.hidden_size * self.hidden_size + layer  # eh_proj and the block (norms aside)
+        return embeddings + self.num_layers * layer + self.mtp_layers * mtp
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -81,7 +95,8 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict) -> ModelConfig:
-        arch = hf.get("model_type")
+        model_type = hf.get("model_type")
+        arch = MTP_ARCHITECTURES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise SpecDecodeError(unsupported_message(arch or str(hf.get("architectures"))))
         num_heads = hf["num_attention_heads"]
@@ -109,6 +124,10 @@ class ModelConfig:
             sliding_window=hf.get("sliding_window") if use_window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            # Present until the loader finds otherwise (loader.read_config looks at the weights' names).
+            mtp_layers=hf.get("num_nextn_predict_layers") or 0,
+            mtp_declared=hf.get("num_nextn_predict_layers") or 0,
+            mtp_layout="mimo" if model_type == "mimo" else "deepseek",
         )
 
     def to_hf(self) -> dict:
@@ -136,6 +155,10 @@ class ModelConfig:
         }
         if self.architecture != "qwen2":
             hf["attention_bias"] = self.qkv_bias
+        if self.mtp_layers:
+            hf["num_nextn_predict_layers"] = self.mtp_layers  # the layers written with it
+            if self.mtp_layout == "mimo":  # MiMo is a Qwen2 trunk with MTP layers under its own names
+                hf["model_type"], hf["architectures"] = "mimo", ["MiMoForCausalLM"]
         return hf
 
 
@@ -145,6 +168,7 @@ _SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediat
           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
           "max_position_embeddings": "max_position_embeddings"}
 MAX_POSITIONS = 1 << 20
+MAX_MTP_LAYERS = 16
 
 
 def _is_number(value) -> bool:

@@ -125,6 +125,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Imported here: mtp.py builds on this module's layers.
+        from specdecode.models.mtp import MTPModule
+
+        # Multi-token-prediction modules the weights ship (plain decoding never runs them; drafters/mtp.py does).
+        self.mtp = nn.ModuleList(MTPModule(config) for _ in range(config.mtp_layers))
         self.rope: RopeTable | None = None
         self.rope_factors: torch.Tensor | None = None
 
@@ -150,6 +155,29 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def new_mtp_cache(self, capacity: int) -> KVCache:
+        """A cache for one MTP module's attention (one layer, one sequence)."""
+        c = self.config
+        return KVCache(1, 1, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def mtp_forward(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    cache: KVCache, attn_mask: torch.Tensor | None = None, logits_at: slice | None = None,
+                    head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP module `index` over tokens [B, T] (each the token after its hidden state's), hidden [B, T, H],
+        positions [B, T] (the hidden states' positions); attn_mask and logits_at as forward's; `head` replaces
+        lm_head (a reduced draft vocabulary).
+        -> (logits [B, T', V or Vd] float32, the hidden a further step feeds back [B, T, H])."""
+        new = tokens.shape[1]
+        cache.check_room(new)
+        mask = attention_mask(positions, cache, attn_mask, self.config.sliding_window)
+        cos, sin = (part.to(self.dtype) for part in self.rope.lookup(positions))  # fused trunks keep float32
+        cache.record_positions(positions)
+        head_input, fed_back = self.mtp[index](self.embed(tokens), hidden.to(self.dtype), cos, sin, cache, mask)
+        cache.advance(new)
+        if logits_at is not None:
+            head_input = head_input[:, logits_at]
+        return (self.lm_head if head is None else head)(head_input).float(), fed_back
 
     def forward(
         self,

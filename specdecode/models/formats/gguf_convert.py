@@ -43,6 +43,11 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's multi-token-prediction ("nextn") tensors: gguf-py's names for DeepSeek's, in the last
+# `{arch}.nextn_predict_layers` blocks, whose other tensors are an ordinary decoder layer (models/mtp.py).
+_NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm",
+                "shared_head_head": "shared_head.head", "embed_tokens": "embed_tokens"}
+_NEXTN_PATTERN = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.weight")
 
 
 def open_gguf(path: Path):
@@ -94,6 +99,10 @@ def _config_from_gguf(reader, path: Path) -> ModelConfig:
 
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(meta("embedding_length"))
+    # llama.cpp counts the MTP blocks in block_count; the trunk is the blocks before them.
+    nextn = int(meta("nextn_predict_layers", 0))
+    trunk_layers = int(meta("block_count")) - nextn
+    mtp_present = nextn if f"blk.{trunk_layers}.nextn.eh_proj.weight" in tensors else 0
     heads = int(meta("attention.head_count"))
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     rope_scaling = None
@@ -104,7 +113,7 @@ def _config_from_gguf(reader, path: Path) -> ModelConfig:
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
+        num_layers=trunk_layers,
         num_heads=heads,
         num_kv_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=int(meta("attention.key_length", hidden // heads)),
@@ -119,12 +128,17 @@ def _config_from_gguf(reader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        mtp_layers=mtp_present,
+        mtp_declared=nextn,
     )
 
 
 def hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    nextn = _NEXTN_PATTERN.fullmatch(gguf_name)
+    if nextn is not None and nextn.group(2) in _NEXTN_NAMES:
+        return f"model.layers.{nextn.group(1)}.{_NEXTN_NAMES[nextn.group(2)]}.weight"
     match = _BLOCK_PATTERN.fullmatch(gguf_name)
     if match is None or match.group(2) not in _BLOCK_NAMES:
         raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in GGUF file")

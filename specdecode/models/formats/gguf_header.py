@@ -18,6 +18,8 @@ import gguf
 from specdecode.errors import SpecDecodeError
 
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
 _STRING, _ARRAY = 8, 9
 TOKENS_KEY = "tokenizer.ggml.tokens"
 
@@ -27,6 +29,7 @@ class GGUFHeader:
     types: dict[str, gguf.GGMLQuantizationType]  # tensor name -> its GGML type
     parameters: int  # elements of every tensor
     tokens: list[str] | None  # the vocabulary by id, when asked for and present
+    metadata: dict[str, int | float | bool | str]  # every key holding one number or string (arrays skipped)
 
 
 def tensor_types(path: Path) -> dict[str, gguf.GGMLQuantizationType]:
@@ -48,12 +51,17 @@ def _read(data, with_tokens: bool) -> GGUFHeader:
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
     if version < 2:
         raise ValueError(f"GGUF version {version} predates 64-bit counts")
-    offset, tokens = 24, None
+    offset, tokens, metadata = 24, None, {}
     for _ in range(kv_count):
         key, offset = _string(data, offset)
         (kind,) = struct.unpack_from("<I", data, offset)
         if with_tokens and key == TOKENS_KEY and kind == _ARRAY:
             tokens, offset = _string_array(data, offset + 4)
+        elif kind in _SCALAR_FORMATS:
+            (metadata[key],) = struct.unpack_from(_SCALAR_FORMATS[kind], data, offset + 4)
+            offset += 4 + _SCALAR_BYTES[kind]
+        elif kind == _STRING:
+            metadata[key], offset = _string(data, offset + 4)
         else:
             offset = _skip_value(data, offset + 4, kind)
     types, parameters = {}, 0
@@ -65,7 +73,7 @@ def _read(data, with_tokens: bool) -> GGUFHeader:
         kind, _ = struct.unpack_from("<IQ", data, offset)
         offset += 12
         types[name] = gguf.GGMLQuantizationType(kind)
-    return GGUFHeader(types, parameters, tokens)
+    return GGUFHeader(types, parameters, tokens, metadata)
 
 
 def _string(data, offset: int) -> tuple[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,23 +34,72 @@ def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(config.num_layers):
-        dst, src = f"layers.{i}.", f"layers.{i}."
-        sources[dst + "attn_norm.weight"] = [src + "input_layernorm.weight"]
-        sources[dst + "mlp_norm.weight"] = [src + "post_attention_layernorm.weight"]
-        kinds = {"qkv": config.qkv_bias, "o": config.o_bias, "gate_up": config.mlp_bias, "down": config.mlp_bias}
-        for kind in ("weight", "bias"):
-            if kind == "weight" or kinds["qkv"]:
-                sources[dst + f"attn.qkv.{kind}"] = [src + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
-            if kind == "weight" or kinds["o"]:
-                sources[dst + f"attn.o.{kind}"] = [src + f"self_attn.o_proj.{kind}"]
-            if kind == "weight" or kinds["gate_up"]:
-                sources[dst + f"mlp.gate_up.{kind}"] = [src + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")]
-            if kind == "weight" or kinds["down"]:
-                sources[dst + f"mlp.down.{kind}"] = [src + f"mlp.down_proj.{kind}"]
-        if config.qk_norm:
-            sources[dst + "attn.q_norm.weight"] = [src + "self_attn.q_norm.weight"]
-            sources[dst + "attn.k_norm.weight"] = [src + "self_attn.k_norm.weight"]
+        sources.update(_block_sources(f"layers.{i}.", f"layers.{i}.", config))
+    for j in range(config.mtp_layers):
+        sources.update(_mtp_sources(j, config))
     return sources
+
+
+def _block_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """One decoder layer's parameters under prefix `dst` -> the Hugging Face names under `src` they stack."""
+    sources = {dst + "attn_norm.weight": [src + "input_layernorm.weight"],
+               dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
+    kinds = {"qkv": config.qkv_bias, "o": config.o_bias, "gate_up": config.mlp_bias, "down": config.mlp_bias}
+    for kind in ("weight", "bias"):
+        if kind == "weight" or kinds["qkv"]:
+            sources[dst + f"attn.qkv.{kind}"] = [src + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        if kind == "weight" or kinds["o"]:
+            sources[dst + f"attn.o.{kind}"] = [src + f"self_attn.o_proj.{kind}"]
+        if kind == "weight" or kinds["gate_up"]:
+            sources[dst + f"mlp.gate_up.{kind}"] = [src + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+        if kind == "weight" or kinds["down"]:
+            sources[dst + f"mlp.down.{kind}"] = [src + f"mlp.down_proj.{kind}"]
+    if config.qk_norm:
+        sources[dst + "attn.q_norm.weight"] = [src + "self_attn.q_norm.weight"]
+        sources[dst + "attn.k_norm.weight"] = [src + "self_attn.k_norm.weight"]
+    return sources
+
+
+# Our MTP module parts (models/mtp.py) -> their names in each layout, after the layout's prefix.
+MTP_NAMES = {
+    "deepseek": {"token_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "out_norm": "shared_head.norm"},
+    "mimo": {"token_norm": "token_layernorm", "hidden_norm": "hidden_layernorm", "proj": "input_proj",
+             "out_norm": "final_layernorm"},
+}
+# DeepSeek-named modules may carry copies of the trunk's embedding and head ("shares parameters" in
+# DeepSeek-V3's README_WEIGHTS); like SGLang we use the trunk's own and never read these.
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_prefix(j: int, config: ModelConfig) -> str:
+    """Where MTP module j's tensors live, without "model." (DeepSeek numbers them after the trunk's layers)."""
+    return f"mtp_layers.{j}." if config.mtp_layout == "mimo" else f"layers.{config.num_layers + j}."
+
+
+def _mtp_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
+    src, dst = mtp_prefix(j, config), f"mtp.{j}."
+    sources = {f"{dst}{ours}.weight": [f"{src}{theirs}.weight"] for ours, theirs in MTP_NAMES[config.mtp_layout].items()}
+    return sources | _block_sources(dst + "block.", src, config)
+
+
+def with_present_mtp(config: ModelConfig, weights: FolderWeights | GGUFWeights) -> ModelConfig:
+    """The config with as many MTP modules as `weights` hold (a conversion may have dropped them)."""
+    return replace(config, mtp_layers=mtp_tensors_present(weights.names(), config))
+
+
+def mtp_tensors_present(names: set[str], config: ModelConfig) -> int:
+    """How many of the MTP modules the config declares the weight names `names` (without "model.") hold: all
+    of them or none (a conversion that dropped them); a part of them is one clear error."""
+    if not config.mtp_declared:
+        return 0
+    declared = replace(config, mtp_layers=config.mtp_declared)
+    wanted = {name for j in range(config.mtp_declared) for names_ in _mtp_sources(j, declared).values()
+              for name in names_}
+    found = wanted & names
+    if found and found != wanted:
+        raise SpecDecodeError(f"the weights hold only part of the {config.mtp_declared} MTP layers the config "
+                              f"declares; missing {', '.join(sorted(wanted - found)[:3])}")
+    return config.mtp_declared if found else 0
 
 
 def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: ModelConfig) -> dict[str, list[str]]:
@@ -58,13 +108,15 @@ def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: 
     anything is allocated (a config whose sizes disagree with its weights would fail deep in PyTorch)."""
     available = weights.names()
     layers = {int(name.split(".")[1]) for name in available if name.startswith("layers.") and name.split(".")[1].isdigit()}
+    if config.mtp_layout == "deepseek":  # DeepSeek numbers its MTP modules after the trunk's layers
+        layers -= set(range(config.num_layers, config.num_layers + config.mtp_declared))
     if len(layers) != config.num_layers:
         raise SpecDecodeError(f"{where}: the config says {config.num_layers} layers but the weights hold {len(layers)}")
     sources = parameter_sources(config)
     needed = {name for names in sources.values() for name in names}
     missing = sorted(needed - available)
     # A tied head stored anyway is harmless; anything else unused means a different model.
-    unexpected = sorted(available - needed - {"lm_head.weight", "rope_freqs"})
+    unexpected = sorted(available - needed - {"lm_head.weight", "rope_freqs"} - _mtp_shared_copies(config))
     if missing or unexpected:
         raise SpecDecodeError(
             f"{where}: weights do not match a {config.architecture} model"
@@ -78,6 +130,12 @@ def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: 
             raise SpecDecodeError(f"{where}: {name} has shape {list(shape)} but the config implies "
                                   f"{list(expected[name])}; config.json does not belong to these weights")
     return sources
+
+
+def _mtp_shared_copies(config: ModelConfig) -> set[str]:
+    if config.mtp_layout != "deepseek":
+        return set()
+    return {mtp_prefix(j, config) + name for j in range(config.mtp_layers) for name in MTP_SHARED_COPIES}
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -97,6 +155,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.q_norm.weight": (head,), "self_attn.k_norm.weight": (head,)}
     for i in range(config.num_layers):
         shapes.update({f"layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    for j in range(config.mtp_layers):
+        prefix, parts = mtp_prefix(j, config), MTP_NAMES[config.mtp_layout]
+        shapes.update({f"{prefix}{name}": shape for name, shape in per_layer.items()})
+        shapes.update({f"{prefix}{parts[norm]}.weight": (hidden,) for norm in ("token_norm", "hidden_norm", "out_norm")})
+        shapes[f"{prefix}{parts['proj']}.weight"] = (hidden, 2 * hidden)
     return shapes
 
 

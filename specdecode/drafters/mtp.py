@@ -1,0 +1,183 @@
+"""MTP: draft with the multi-token-prediction modules the target ships (models/mtp.py); no second model.
+
+Alignment (as vLLM's MTP proposer, and EAGLE-3's, eagle3.py): module 0's row for position p pairs the target's
+final hidden state of token p with the embedding of token p+1, at rope position p, and predicts token p+2.
+After each step module 0 reads the target's rows along the accepted path, so its cache holds every committed
+position but the last, and its output there is the first draft token. Draft token i+1 comes from module
+min(i, n-1) fed the previous step's hidden state and draft token, one position on: with one module (what
+DeepSeek-V3, GLM-4.5 and MiMo use to draft) that module drafts every token, as in vLLM. Later modules see only
+their rows of the current draft. Rows of a draft are dropped at commit.
+
+`mtp_draft_vocab N` drafts over the N lowest token ids (a byte-level BPE vocabulary numbers its merges in the
+order learnt, most frequent first) plus the end-of-turn tokens: the output head, most of a one-layer module's
+cost on a CPU, shrinks to those rows. Verification still uses the full head, so the output cannot change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.registry import register
+from specdecode.errors import SpecDecodeError
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+
+
+@dataclass(frozen=True)
+class MTPOptions:
+    mtp_draft_vocab: int = option(0, "draft over the N most frequent tokens only (0 = the whole vocabulary); "
+                                  "verification still uses the full output head")
+
+    def check(self) -> None:
+        if self.mtp_draft_vocab < 0:
+            raise SpecDecodeError(f"mtp_draft_vocab must be 0 (the whole vocabulary) or positive, "
+                                  f"got {self.mtp_draft_vocab}")
+
+
+@dataclass
+class MTPState:
+    """One request's MTP state."""
+
+    caches: list[KVCache]  # one per module: module 0's rows for positions 0..fed-1, then a draft's rows
+    fed: int  # committed positions module 0 has read
+    pending: torch.Tensor  # [R, H] the target's final hidden states of positions fed..fed+R-1, not read yet
+    logits: torch.Tensor | None = None  # [Vd] module 0's output at its last committed row: the first draft
+    hidden: torch.Tensor | None = None  # [H] what that row feeds back to the next module
+
+
+@register
+class MTPDrafter(Drafter):
+    name = "mtp"
+    caps = DrafterCaps(final_hidden=True, emits_probs=True)
+    Options = MTPOptions
+    aliases = ("draft-mtp",)
+    vllm_method = "mtp"
+
+    def __init__(self, target: Transformer, options: MTPOptions, draft_head: nn.Module | None,
+                 draft_to_target: torch.Tensor | None):
+        self.target = target
+        self.options = options
+        self.modules = len(target.mtp)
+        self.draft_head = draft_head  # None: the target's own head, over the whole vocabulary
+        self.draft_to_target = draft_to_target  # [Vd] long: the target id of each draft-head row
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
+        model = resources.target.model
+        config = model.config
+        if not config.mtp_layers:
+            dropped = (f"; its config declares {config.mtp_declared} but the weights do not hold them (a "
+                       "conversion or quantized upload dropped them)") if config.mtp_declared else ""
+            raise SpecDecodeError(f"method 'mtp' needs a model that ships MTP layers, and {resources.target.name} "
+                                  f"has none{dropped}; `specdecode inspect MODEL` lists what a model can use, and "
+                                  "`specdecode train mtp` trains them onto a model")
+        if not options.mtp_draft_vocab or options.mtp_draft_vocab >= config.vocab_size:
+            return cls(model, options, None, None)
+        eos = [t for t in resources.target.tokenizer.eos_token_ids if t >= options.mtp_draft_vocab]
+        ids = torch.cat([torch.arange(options.mtp_draft_vocab), torch.tensor(eos, dtype=torch.long)])  # [Vd]
+        return cls(model, options, reduced_head(model, ids, resources.draft_quant), ids.to(model.device))
+
+    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        room = seq.capacity + seq.draft_length.maximum
+        caches = [self.target.new_mtp_cache(room) for _ in range(self.modules)]
+        state = MTPState(caches, 0, prefill.final_hidden)
+        seq.drafter_state[self.name] = state
+        self._read_pending(seq, state)  # the prompt now, in the prefill phase
+
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        state = seq.drafter_state[self.name]
+        self._read_pending(seq, state)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        logits, hidden = state.logits, state.hidden  # [Vd], [H]
+        device = self.target.device
+        for i in range(budget):
+            full = self._target_logits(logits)  # [V]
+            if seq.sampling.greedy:
+                token = int(full.argmax())
+            else:
+                q = logits_to_probs(full, seq.sampling)  # [V]: the law the draft token is drawn from
+                token = int(sample(q, seq.generator))
+                rows.append(q)
+            tokens.append(token)
+            if i + 1 < budget:
+                module = min(i + 1, self.modules - 1)
+                if module < i + 1:
+                    seq.stats.note("mtp_module_reused")
+                step = torch.tensor([[token]], device=device)  # [1, 1]
+                position = torch.tensor([[len(seq.tokens) - 1 + i]], device=device)  # [1, 1]
+                logits, hidden = self._module(module, step, hidden.view(1, 1, -1), position, state.caches[module])
+                logits, hidden = logits[0, -1], hidden[0, -1]
+        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
+        return DraftProposal.chain(tokens, torch.stack(rows) if rows else None, self.name)
+
+    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        state = seq.drafter_state[self.name]
+        state.caches[0].truncate(state.fed)  # a draft's rows go; the target's rows of the path come in
+        for cache in state.caches[1:]:
+            cache.truncate(0)
+        state.pending = torch.cat([state.pending, target.final_hidden])
+
+    def request_bytes(self, seq: Sequence) -> int:
+        state = seq.drafter_state.get(self.name)
+        return sum(cache.nbytes for cache in state.caches) if state is not None else 0
+
+    def weights_bytes(self) -> int:
+        """A reduced draft head's rows (the modules themselves load with the target and count there)."""
+        return 0 if self.draft_head is None else sum(t.untyped_storage().nbytes()
+                                                     for t in self.draft_head.state_dict().values())
+
+    def _read_pending(self, seq: Sequence, state: MTPState) -> None:
+        """Feed module 0 every committed position it has not read, in one forward."""
+        rows = state.pending.shape[0]
+        if rows == 0:
+            return
+        device = self.target.device
+        tokens = torch.tensor([seq.tokens[state.fed + 1 : state.fed + 1 + rows]], device=device)  # [1, R]
+        positions = torch.arange(state.fed, state.fed + rows, device=device).unsqueeze(0)  # [1, R]
+        logits, hidden = self._module(0, tokens, state.pending.unsqueeze(0), positions, state.caches[0])
+        state.fed += rows
+        state.pending = state.pending[:0]
+        state.logits, state.hidden = logits[0, -1], hidden[0, -1]  # [Vd], [H]
+
+    def _module(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module `index` over tokens [1, T] and hidden [1, T, H] at positions [1, T]; logits only at the last row,
+        through the draft head. -> (logits [1, 1, Vd], fed-back hidden [1, T, H])."""
+        with torch.inference_mode():
+            return self.target.mtp_forward(index, tokens, hidden, positions, cache, logits_at=slice(-1, None),
+                                           head=self.draft_head)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-head logits [Vd] -> [V]: tokens outside the draft vocabulary get -inf, so q stays the law drafts
+        follow and they are never drafted."""
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((self.target.config.vocab_size,), float("-inf"))  # [V]
+        full[self.draft_to_target] = logits
+        return full
+
+
+def reduced_head(model: Transformer, ids: torch.Tensor, quant: str) -> nn.Module:
+    """The output head's rows `ids` [Vd] as a layer of their own, in `quant` (--draft-quant)."""
+    from specdecode.models.quant.quantize_module import quantize_linears
+
+    head = model.lm_head
+    if isinstance(head, nn.Linear):
+        rows = head.weight.detach()[ids.to(head.weight.device)]  # [Vd, H]
+    else:  # a quantized head: its float rows come from the embedding it was quantized from when tied
+        if not model.config.tie_word_embeddings:
+            raise SpecDecodeError("mtp_draft_vocab needs a float output head or one tied to the embedding; "
+                                  "load the model with --quant none")
+        rows = model.embed.weight.detach()[ids.to(model.device)]  # [Vd, H]
+    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    layer.weight = nn.Parameter(rows.clone(), requires_grad=False)
+    head = nn.Sequential(layer)  # a container, so quantize_linears can swap the layer in place
+    quantize_linears(head, quant)
+    return head

@@ -1,0 +1,124 @@
+"""What a model file or folder is and which drafters it brings, from its config and tensor names alone.
+
+No weights are read: a folder's config.json and safetensors headers, a GGUF file's header (gguf_header.py).
+`specdecode inspect` and `--spec-type auto` decide from this.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.gguf_header import read_header
+from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+
+_GGUF_RUNS = ("llama", "qwen2", "qwen3")  # general.architecture values our loader reads (Mistral is "llama")
+# Where each published MTP naming keeps module j (drafter-formats.md section 2); {L} = the trunk's layer count.
+_MTP_PATTERNS = {
+    "mimo": re.compile(r"model\.mtp_layers\.(\d+)\."),
+    "qwen3.5": re.compile(r"mtp\.layers\.(\d+)\."),
+}
+# A drafter folder's kind by its config.json's architectures or speculators type (drafter-formats.md section 1).
+_DRAFTER_KINDS = (("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"), ("medusa", "medusa"))
+
+
+@dataclass(frozen=True)
+class ModelSurvey:
+    source: Path
+    architecture: str  # as the file names it (config.json's model_type, a GGUF's general.architecture)
+    runs: bool  # whether this runtime runs the trunk
+    mtp_declared: int  # MTP modules the config or metadata declares
+    mtp_present: int  # MTP modules whose tensors the weights hold
+    mtp_naming: str | None  # "deepseek", "mimo", "qwen3.5" or "gguf nextn"; None without MTP tensors
+
+    @property
+    def mtp_dropped(self) -> bool:
+        return self.mtp_declared > 0 and self.mtp_present == 0
+
+    def mtp_line(self) -> str:
+        if not self.mtp_declared and not self.mtp_present:
+            return "none declared"
+        if self.mtp_dropped:
+            return (f"{self.mtp_declared} declared in config but dropped from this file (a conversion or "
+                    "quantized upload lost them)")
+        return f"{self.mtp_present} present ({self.mtp_naming} naming)"
+
+
+def survey(source: Path) -> ModelSurvey:
+    """source: a .gguf file or a folder with config.json (loader.resolve_source's answer)."""
+    return _survey_gguf(source) if source.is_file() else _survey_folder(source)
+
+
+def _survey_folder(folder: Path) -> ModelSurvey:
+    try:
+        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SpecDecodeError(f"{folder / 'config.json'} cannot be read ({error})") from None
+    if not isinstance(hf, dict):
+        raise SpecDecodeError(f"{folder / 'config.json'} must hold a JSON object")
+    model_type = str(hf.get("model_type"))
+    runs = MTP_ARCHITECTURES.get(model_type, model_type) in SUPPORTED_ARCHITECTURES
+    declared = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0)
+    trunk = int(hf.get("num_hidden_layers") or 0)
+    names = _tensor_names(folder)
+    found = {"deepseek": _indices(names, re.compile(r"model\.layers\.(\d+)\.eh_proj\."), offset=trunk)}
+    found |= {naming: _indices(names, pattern) for naming, pattern in _MTP_PATTERNS.items()}
+    naming, present = max(found.items(), key=lambda item: item[1])
+    return ModelSurvey(folder, model_type, runs, declared, present, naming if present else None)
+
+
+def _survey_gguf(path: Path) -> ModelSurvey:
+    header = read_header(path)
+    arch = str(header.metadata.get("general.architecture"))
+    declared = int(header.metadata.get(f"{arch}.nextn_predict_layers", 0))
+    trunk = int(header.metadata.get(f"{arch}.block_count", 0)) - declared
+    present = sum(f"blk.{trunk + j}.nextn.eh_proj.weight" in header.types for j in range(declared))
+    return ModelSurvey(path, arch, arch in _GGUF_RUNS, declared, present, "gguf nextn" if present else None)
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names.update(handle.keys())
+        except (SafetensorError, OSError) as error:
+            raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
+    return names
+
+
+def _indices(names: set[str], pattern: re.Pattern, offset: int = 0) -> int:
+    """How many distinct modules (numbered from `offset`) the names matching `pattern` belong to."""
+    return len({int(m.group(1)) for name in names if (m := pattern.match(name)) and int(m.group(1)) >= offset})
+
+
+def drafter_kind(folder: Path) -> str | None:
+    """"eagle3", "dflash", "dspark" or "medusa" when `folder` holds such a drafter (by its config.json), else None."""
+    try:
+        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None  # not a drafter folder: any folder may sit beside a model
+    if not isinstance(hf, dict):
+        return None
+    described = " ".join([*map(str, hf.get("architectures") or []), str(hf.get("speculators_model_type", ""))]).lower()
+    return next((kind for kind, marker in _DRAFTER_KINDS if marker in described), None)
+
+
+def drafters_beside(source: Path, extra: list[Path]) -> list[tuple[str, Path]]:
+    """(kind, folder) for every drafter folder next to `source` (its siblings, and its own subfolders when it
+    is a folder) and in `extra` (where our trainers write by default)."""
+    parent = source.parent
+    candidates = [*(p for p in sorted(parent.iterdir()) if p.is_dir() and p != source), *extra]
+    if source.is_dir():
+        candidates += sorted(p for p in source.iterdir() if p.is_dir())
+    found = []
+    for folder in dict.fromkeys(candidates):
+        kind = drafter_kind(folder) if folder.is_dir() else None
+        if kind is not None:
+            found.append((kind, folder))
+    return found
