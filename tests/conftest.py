@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+USER_CACHE = os.environ.get("SPECDECODE_CACHE")  # as the suite found it
 TINY_VOCAB = 272  # 256 byte tokens + specials, padded like real checkpoints pad their embedding
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -74,11 +76,29 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, 
     return folder
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(request, tmp_path_factory):
+    """Module-scoped fixtures are built before any test's own cache (below): tiny models they convert or
+    quantize go to a cache of the module's, never the user's (modules marked real_model keep the shared one)."""
+    if request.node.get_closest_marker("real_model") is not None:
+        yield None
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("module-cache")
+        patch.setenv("SPECDECODE_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(autouse=True)
 def cache(request, tmp_path, monkeypatch) -> Path | None:
     """Tiny models' conversions and quantized copies go to a per-test cache, never the user's; real-model tests
     keep the shared one, so the default models are assembled once."""
     if request.node.get_closest_marker("real_model") is not None:
+        # The user's cache, where the default models are assembled once (the module's may have replaced it).
+        if USER_CACHE is None:
+            monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("SPECDECODE_CACHE", USER_CACHE)
         return None
     path = tmp_path / "cache"
     monkeypatch.setenv("SPECDECODE_CACHE", str(path))
