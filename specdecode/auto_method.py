@@ -46,6 +46,16 @@ def head_folder(target: str | None) -> Path:
     return cache_dir() / "eagle3" / model_label(target or DEFAULT_TARGET)
 
 
+def mtp_folder(target: str | None) -> Path:
+    """Where `specdecode train mtp` writes the target with its trained MTP layers by default."""
+    return cache_dir() / "mtp" / model_label(target or DEFAULT_TARGET)
+
+
+def features_folder(target: str | None) -> Path:
+    """Where `specdecode train` keeps the target's features by default, shared by every drafter kind."""
+    return cache_dir() / "features" / model_label(target or DEFAULT_TARGET)
+
+
 def choose(target: str | None, draft_model: str | None, draft_head: str | None) -> AutoChoice:
     """The drafters for `target` (None: the default target) given what the user named and what is installed."""
     members, found = [LOOKUP], []

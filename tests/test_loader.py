@@ -165,6 +165,16 @@ def test_gguf_conversion_is_cached(tmp_path, tiny_models, monkeypatch):
     assert not [p for p in first.folder.parent.iterdir() if p != first.folder]  # no staging folder left
 
 
+def test_a_gguf_file_beside_other_tokenizer_files_keeps_its_own_chat_template(tmp_path, tiny_models):
+    """transformers would read the folder's tokenizer files instead of the file's metadata and lose the template."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_models["llama"], "llama")
+    plain = byte_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(str(tmp_path))  # tokenizer.json and tokenizer_config.json without a template
+    assert load_model(path, dtype="float32").tokenizer.hf.chat_template is not None
+
+
 # --- Bad input: one clear SpecDecodeError each --------------------------------------------------------------
 
 

@@ -16,8 +16,9 @@ from specdecode.cli.train import training_texts
 from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
 from specdecode.models.loader import load_model
 from specdecode.training.data import code_texts, is_held_out, prompts
-from specdecode.training.eagle3_train import TrainSettings, default_layer_ids, expected_accepted, train_eagle3
+from specdecode.training.eagle3_train import Eagle3Unroll, default_layer_ids, train_eagle3
 from specdecode.training.features import check_manifest, extract
+from specdecode.training.loop import TrainSettings, expected_accepted
 from specdecode.training.ttt import step_mask, unroll
 
 LIBRARY = '''
@@ -65,7 +66,8 @@ def test_the_training_time_test_computes_what_inference_drafts(target, tmp_path)
     tokens = torch.randint(0, 256, (12,))
     features = torch.randn(12, 3 * 64)
     top_ids = torch.randint(0, 272, (12, 4))
-    result = unroll(head, tokens, features, top_ids, torch.full((12, 4), -1.0), torch.ones(12, dtype=torch.bool),
+    layer = Eagle3Unroll(head, torch.arange(3 * 64))
+    result = unroll(layer, tokens, features, top_ids, torch.full((12, 4), -1.0), torch.ones(12, dtype=torch.bool),
                     torch.arange(272), steps=3, keep_logits=True)
     fused = head.fuse(list(features.split(64, dim=-1)))
     for step in range(3):
@@ -81,7 +83,7 @@ def test_the_training_time_test_computes_what_inference_drafts(target, tmp_path)
             assert torch.allclose(result.logits[step][row], logits[0, -1], rtol=1e-4, atol=1e-3), (step, row)
     # A next token outside the draft vocabulary is learnt from by no row but counts as a miss in acceptance.
     half = torch.where(torch.arange(272) < 136, torch.arange(272), -1)
-    narrow = unroll(head, tokens, features, top_ids, torch.full((12, 4), -1.0), torch.ones(12, dtype=torch.bool),
+    narrow = unroll(layer, tokens, features, top_ids, torch.full((12, 4), -1.0), torch.ones(12, dtype=torch.bool),
                     half, steps=3)
     assert narrow.counted == [11, 10, 9] == result.counted
     assert all(c <= int((top_ids[1 + s :, 0] < 136).sum()) for c, s in zip(narrow.correct, range(3)))
@@ -94,7 +96,7 @@ def test_a_tiny_head_learns_resumes_and_drafts_losslessly(target, tmp_path):
     texts = list(training_texts(2))
     features = tmp_path / "features"
     layer_ids = default_layer_ids(target.config.num_layers)
-    check_manifest(features, {"layer_ids": list(layer_ids)})
+    check_manifest(features, {"layer_ids": list(layer_ids), "max_len": 160})
     budget = {"train": 3000, "held_out": 600}
     done = extract(target, layer_ids, iter(texts), features, budget, answer_tokens=16, max_len=160, quiet=True)
     assert done["train"] >= 3000 and done["held_out"] >= 600

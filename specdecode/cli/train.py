@@ -1,9 +1,11 @@
-"""`specdecode train eagle3 [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
+"""`specdecode train eagle3|mtp [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
 
 Two phases, both resumable (run the same command again): the target's features of text built from Python's
 standard library (its own answers to prompts made from documented functions, and the library's source), kept
-in DIR/features; then the training-time test over them, with held-out acceptance on the progress bar, a
-checkpoint every --eval-every sequences, and the head written to DIR in the reference layout.
+in a features folder that every drafter kind reads (CACHE/features/TARGET by default: train eagle3, then mtp,
+and the target runs once); then the training-time test over them (training/loop.py), with held-out acceptance
+on the progress bar and a checkpoint every --eval-every sequences. eagle3 writes a head in the reference
+layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target).
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.auto_method import head_folder
+from specdecode.auto_method import features_folder, head_folder, mtp_folder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
-KINDS = ("eagle3",)
+KINDS = ("eagle3", "mtp")
 
 
 def add_parser(commands) -> None:
     train = commands.add_parser("train", help="train a drafter for a target on this machine (offline data)")
     train.add_argument("kind", choices=KINDS, help="the drafter to train")
     train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
-    train.add_argument("--out", help="folder for the features, checkpoints and the trained head (default: "
-                       "CACHE/eagle3/TARGET_NAME, where --spec-type auto finds it; CACHE as for the default models)")
+    train.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/eagle3/TARGET_NAME, "
+                       "where --spec-type auto finds a head, or CACHE/mtp/TARGET_NAME; CACHE as for the default "
+                       "models)")
+    train.add_argument("--features", help="folder for the target's features, shared by every drafter kind "
+                       "(default: CACHE/features/TARGET_NAME)")
     train.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
     train.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
                        "the target as you will run it")
@@ -43,6 +48,8 @@ def add_parser(commands) -> None:
     train.add_argument("--intermediate-size", type=int,
                        help="the head's MLP width (default: half the target's, to fit a CPU hour; published heads "
                        "use the target's)")
+    train.add_argument("--num-layers", type=int, default=1,
+                       help="mtp: modules to train (default 1; draft step k uses module min(k, K-1))")
     train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-4)
@@ -54,7 +61,7 @@ def add_parser(commands) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     for name in ("tokens", "held_out_tokens", "answer_tokens", "max_len", "draft_vocab", "unroll", "epochs",
-                 "eval_every"):
+                 "eval_every", "num_layers"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.answers < 0 or (args.intermediate_size is not None and args.intermediate_size < 1):
@@ -63,6 +70,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
     if not 0 < args.lr < 1:
         raise SpecDecodeError(f"--lr must be in (0, 1), got {args.lr}")
+    if args.kind != "mtp" and args.num_layers != 1:
+        raise SpecDecodeError("--num-layers is for train mtp")
+    if args.kind != "eagle3" and args.intermediate_size is not None:
+        raise SpecDecodeError("--intermediate-size is for train eagle3 (an MTP module keeps the target's layer shape)")
 
 
 def training_texts(answers: int):
@@ -82,18 +93,22 @@ def training_texts(answers: int):
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdecode.models.loader import check_device, load_model
-    from specdecode.training.eagle3_train import TrainSettings, default_layer_ids, train_eagle3
+    from specdecode.training.eagle3_train import default_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
+    from specdecode.training.loop import TrainSettings
+    from specdecode.training.mtp_train import train_mtp
 
     check_device(args.device)
-    out = Path(args.out) if args.out else head_folder(args.target)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise SpecDecodeError(f"cannot write to {out} ({error})") from None
+    out = Path(args.out) if args.out else (head_folder if args.kind == "eagle3" else mtp_folder)(args.target)
+    features = Path(args.features) if args.features else features_folder(args.target)
+    for folder in (out, features):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SpecDecodeError(f"cannot write to {folder} ({error})") from None
     target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
-    layer_ids = default_layer_ids(target.config.num_layers)
-    features = out / "features"
+    layers = target.config.num_layers
+    layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))  # EAGLE-3's three and the last (MTP's)
     manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
                 "layer_ids": list(layer_ids), "answers": args.answers, "answer_tokens": args.answer_tokens,
                 "max_len": args.max_len}
@@ -102,19 +117,27 @@ def run(args: argparse.Namespace) -> int:
     done = extract(target, layer_ids, training_texts(args.answers), features, budget, args.answer_tokens,
                    args.max_len, args.quiet)
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
-    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width,
-                             steps=args.unroll, epochs=args.epochs, lr=args.lr, eval_every=args.eval_every,
-                             device=args.device)
+    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind == "eagle3"
+                             else None, modules=args.num_layers, steps=args.unroll, epochs=args.epochs, lr=args.lr,
+                             eval_every=args.eval_every, device=args.device)
     curve_file = out / "learning_curve.jsonl"
 
     def record(step: int, tokens: int, accuracy: list[float]) -> None:
         with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
-    result = train_eagle3(target, features, out, settings, args.quiet, record)
+    train = train_eagle3 if args.kind == "eagle3" else train_mtp
+    result = train(target, features, out, settings, args.quiet, record)
     rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
     print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
-          f"acceptance by draft position {rates}; use it with: specdecode generate \"...\" --model {args.target} "
-          f"--spec-type eagle3 --draft-model {out}"
-          f"{' (or --spec-type auto, which looks here)' if out == head_folder(args.target) else ''}", file=sys.stderr)
+          f"acceptance by draft position {rates}; use it with: {_usage(args, out)}", file=sys.stderr)
     return 0
+
+
+def _usage(args: argparse.Namespace, out: Path) -> str:
+    if args.kind == "eagle3":
+        auto = " (or --spec-type auto, which looks here)" if out == head_folder(args.target) else ""
+        return f"specdecode generate \"...\" --model {args.target} --spec-type eagle3 --draft-model {out}{auto}"
+    model = next(iter(sorted(out.glob("*-mtp.gguf"))), out)  # the GGUF file keeps the target's own quantization
+    return (f"specdecode generate \"...\" --model {model} --spec-type mtp --mtp-draft-vocab {args.draft_vocab} "
+            "(the vocabulary it was trained to draft over)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -214,10 +215,18 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
 def write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, OSError, TypeError) as error:
-        raise SpecDecodeError(f"{path}: could not build a tokenizer from the GGUF metadata ({error})") from None
+    # transformers prefers tokenizer files beside the GGUF file to its metadata (a model folder holding both
+    # loses the file's chat template), so it reads the file from a folder of its own, through a link.
+    with tempfile.TemporaryDirectory() as alone:
+        link = Path(alone) / path.name
+        try:
+            link.symlink_to(path.resolve())
+        except OSError:  # no symbolic links here: read it where it is
+            link = path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(link.parent), gguf_file=link.name)
+        except (ValueError, KeyError, OSError, TypeError) as error:
+            raise SpecDecodeError(f"{path}: could not build a tokenizer from the GGUF metadata ({error})") from None
     tokenizer.save_pretrained(str(out_dir))
     vocab = tokenizer.get_vocab()
     eos = sorted({*config.eos_token_ids, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)})

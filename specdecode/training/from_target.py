@@ -1,0 +1,48 @@
+"""What a drafter starts from or trains against, taken from the frozen target: its frequent tokens, its output
+head's rows and its layers' weights, in float whatever the target's storage (a w4a8 target included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.models.loader import LoadedModel
+from specdecode.training.features import load_shard
+
+
+def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:
+    """The `size` most frequent target ids among the tokens and the target's own next tokens, ascending (as the
+    reference sorts its used tokens) -> [Vd] long."""
+    counts = torch.zeros(vocab, dtype=torch.long)  # [V]
+    for path in files:
+        shard = load_shard(path)
+        counts += torch.bincount(shard.tokens, minlength=vocab) + torch.bincount(shard.top_ids[:, 0], minlength=vocab)
+    size = min(size, vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def output_rows(target: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """The target output head's rows for `ids` [Vd] -> [Vd, H] float32, whatever the head's storage: its output on
+    the identity matrix is its weight (one-hot rows quantize exactly to int8, so this holds for w4a8 too)."""
+    model = target.model
+    hidden = model.config.hidden_size
+    with torch.inference_mode():
+        eye = torch.eye(hidden, dtype=model.dtype, device=model.device)  # [H, H]
+        columns = torch.cat([model.lm_head(eye[i : i + 256])[:, ids.to(model.device)] for i in range(0, hidden, 256)])
+    return columns.T.float().contiguous()  # [Vd, H]
+
+
+def dense_weight(layer: nn.Module, in_features: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer of any storage -> (weight [N, K] float32, bias [N] or None), read off its outputs: on the
+    identity (minus the bias, its output on zeros) as output_rows does."""
+    with torch.inference_mode():
+        bias = getattr(layer, "bias", None)
+        zero = layer(torch.zeros(1, in_features, dtype=dtype, device=device)).float()[0] if bias is not None else None
+        eye = torch.eye(in_features, dtype=dtype, device=device)  # [K, K]
+        rows = torch.cat([layer(eye[i : i + 256]).float() for i in range(0, in_features, 256)])  # [K, N]
+        if zero is not None:
+            rows = rows - zero
+    return rows.T.contiguous().clone(), None if zero is None else zero.clone()
