@@ -58,8 +58,10 @@ def features_folder(target: str | None) -> Path:
 
 def choose(target: str | None, draft_model: str | None, draft_head: str | None) -> AutoChoice:
     """The drafters for `target` (None: the default target) given what the user named and what is installed."""
+    from specdecode.models.survey import ships_mtp
+
     members, found = [LOOKUP], []
-    if _ships_mtp(target):
+    if ships_mtp(target):
         members.append("mtp")
         found.append("the target ships MTP layers")
     head = draft_head or _trained_head(target)
@@ -74,17 +76,6 @@ def choose(target: str | None, draft_model: str | None, draft_head: str | None) 
         found.append("no MTP layers, EAGLE-3 head or draft model found for this target")
     found.append(f"{LOOKUP} for text that repeats")
     return AutoChoice(",".join(members), draft, head, "; ".join(found))
-
-
-def _ships_mtp(target: str | None) -> bool:
-    from specdecode.models.formats.default_models import DEFAULT_MODELS, status
-    from specdecode.models.loader import resolve_source
-    from specdecode.models.survey import survey
-
-    name = target or DEFAULT_TARGET
-    if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
-        return False  # the default models ship none; assembling one only to look would take a minute
-    return survey(resolve_source(name, quiet=True)).mtp_present > 0
 
 
 def _trained_head(target: str | None) -> str | None:

@@ -160,3 +160,16 @@ def test_a_reduced_draft_vocabulary_keeps_the_output(two_module_engine):
     finally:
         two_module_engine.finish(seq)
     assert two_module_engine.complete("hello hello", sampling, spec).token_ids == plain
+
+
+def test_auto_and_advise_use_the_layers_a_target_ships(base, tmp_path, capsys):
+    from specdecode.bench.advise import default_candidates
+
+    folder, _ = with_mtp(base, tmp_path, "mimo", follow=1.0)
+    assert "mtp,mtp:mtp_draft_vocab=16000" in default_candidates(False, ships_mtp=True)
+    assert "mtp" not in default_candidates(True)
+    args = ["generate", "hello hello", "--model", str(folder), "--max-tokens", "16", "--ignore-eos", "--dtype",
+            "float32", "--quant", "none", "--spec-type", "auto", "--compare-plain"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "auto: suffix,mtp with per-step choice" in err and "identical output: True" in err

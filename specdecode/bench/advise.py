@@ -34,8 +34,11 @@ class Ranked:
     weights_bytes: int  # the models this method keeps in memory
 
 
-def default_candidates(has_draft: bool) -> str:
-    return WITH_DRAFT_MODEL if has_draft else WITHOUT_DRAFT_MODEL
+def default_candidates(has_draft: bool, ships_mtp: bool = False) -> str:
+    """The methods tried when the user names none: lookups, the draft model's when there is one, and the
+    target's own MTP layers when it ships them (over its whole vocabulary and over the frequent 16000 tokens)."""
+    mtp = ",mtp,mtp:mtp_draft_vocab=16000" if ships_mtp else ""
+    return (WITH_DRAFT_MODEL if has_draft else WITHOUT_DRAFT_MODEL) + mtp
 
 
 def prompts_as_questions(prompts: list[str]) -> list[Question]:

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.bench.suite import parse_methods
     from specdecode.drafters import needs_draft_files, needs_draft_model
     from specdecode.engine import Engine
+    from specdecode.models.survey import ships_mtp
 
     if args.max_tokens < 1 or args.limit < 1:
         raise SpecDecodeError("--max-tokens and --limit must be >= 1")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     draft_name = default_draft_name(args)
     base = spec_from_args(args, has_draft=draft_name is not None)
-    candidates = args.candidates or default_candidates(draft_name is not None)
+    candidates = args.candidates or default_candidates(draft_name is not None, ships_mtp(args.model))
     methods = parse_methods(candidates, base)  # a mistake fails now, before the models load
     draft_name, draft_path = draft_sources(args, any(needs_draft_model(m.spec) for m in methods),
                                            any(needs_draft_files(m.spec) for m in methods))

@@ -24,6 +24,7 @@ from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, opt
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
+from specdecode.models.loader import module_bytes
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -79,9 +80,12 @@ class MTPDrafter(Drafter):
                                   "`specdecode train mtp` trains them onto a model")
         if not options.mtp_draft_vocab or options.mtp_draft_vocab >= config.vocab_size:
             return cls(model, options, None, None)
-        eos = [t for t in resources.target.tokenizer.eos_token_ids if t >= options.mtp_draft_vocab]
+        eos = sorted(t for t in resources.target.tokenizer.eos_token_ids if t >= options.mtp_draft_vocab)
         ids = torch.cat([torch.arange(options.mtp_draft_vocab), torch.tensor(eos, dtype=torch.long)])  # [Vd]
-        return cls(model, options, reduced_head(model, ids, resources.draft_quant), ids.to(model.device))
+        key = f"mtp-head:{options.mtp_draft_vocab}"
+        if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
+            resources.own_weights[key] = reduced_head(model, ids, resources.draft_quant)
+        return cls(model, options, resources.own_weights[key], ids.to(model.device))
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         room = seq.capacity + seq.draft_length.maximum
@@ -130,8 +134,7 @@ class MTPDrafter(Drafter):
 
     def weights_bytes(self) -> int:
         """A reduced draft head's rows (the modules themselves load with the target and count there)."""
-        return 0 if self.draft_head is None else sum(t.untyped_storage().nbytes()
-                                                     for t in self.draft_head.state_dict().values())
+        return 0 if self.draft_head is None else module_bytes(self.draft_head)
 
     def _read_pending(self, seq: Sequence, state: MTPState) -> None:
         """Feed module 0 every committed position it has not read, in one forward."""

@@ -122,3 +122,15 @@ def drafters_beside(source: Path, extra: list[Path]) -> list[tuple[str, Path]]:
         if kind is not None:
             found.append((kind, folder))
     return found
+
+
+def ships_mtp(model: str | None) -> bool:
+    """Whether `model` (a default name, a file or folder; None: the default target) holds MTP layers we run."""
+    from specdecode.models.formats.default_models import DEFAULT_MODELS, DEFAULT_TARGET, status
+    from specdecode.models.loader import resolve_source
+
+    name = model or DEFAULT_TARGET
+    if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
+        return False  # the default models ship none; assembling one only to look would take a minute
+    facts = survey(resolve_source(name, quiet=True))
+    return facts.runs and facts.mtp_present > 0
