@@ -56,10 +56,12 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
-                 context_limit: int | None = None, draft_path: str | Path | None = None, draft_quant: str = "none"):
+                 context_limit: int | None = None, draft_path: str | Path | dict[str, str | Path] | None = None,
+                 draft_quant: str = "none"):
         """`draft`: a draft model (method 'draft'); `draft_path`: the weights of a drafter with its own format
-        (an EAGLE-3 head folder), read by that drafter when a spec first uses it; `draft_quant`: what those
-        weights run as (none, int8, int4, w4a8; the CLI's --draft-quant with auto resolved)."""
+        (an EAGLE-3 head or DFlash folder), read by that drafter when a spec first uses it, or a dict from method
+        to its folder when several such drafters run; `draft_quant`: what those weights run as (none, int8,
+        int4, w4a8; the CLI's --draft-quant with auto resolved)."""
         self.target = target
         self.draft = draft
         self.spec = spec or SpecConfig()
@@ -70,8 +72,9 @@ class Engine:
                                   f"{model_limit}), got {context_limit!r}")
         self.context_limit = model_limit if context_limit is None else min(context_limit, model_limit)
         check_quant(draft_quant, 32)
-        self.resources = DrafterResources(target, draft, self.context_limit,
-                                          None if draft_path is None else str(draft_path), draft_quant)
+        paths = {m: str(p) for m, p in draft_path.items()} if isinstance(draft_path, dict) else (
+            None if draft_path is None else str(draft_path))
+        self.resources = DrafterResources(target, draft, self.context_limit, paths, draft_quant)
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request
@@ -164,7 +167,8 @@ class Engine:
         began = perf_counter()
         drafter = self.drafter(spec)
         capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
-        draft_length = DraftLength(spec.num_draft_tokens, spec.adaptive)
+        block = drafter.caps.block_size  # a block drafter's length is its block, cut by the token budget only
+        draft_length = DraftLength(block - 1, False) if block else DraftLength(spec.num_draft_tokens, spec.adaptive)
         generator = torch.Generator(device=self.target.model.device)
         generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         # Slots beyond the capacity hold a step's proposed nodes until the rejected ones are dropped.

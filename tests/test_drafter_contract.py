@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, save_tiny_model
 from eagle3_reference import head_config, random_head, write_head
+from dflash_drafters import write_random_dflash
 from mtp_reference import add_mtp_layers
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
@@ -62,15 +63,26 @@ def eagle3_head(folder, target, vocab: int):
     return write_head(folder, weights, head_config(weights, vocab, "reference"), "reference")
 
 
+def drafter_folders(root, target, vocab: int) -> dict[str, object]:
+    """Method -> folder for the drafters with weights of their own: an EAGLE-3 head and a DFlash drafter (over a
+    tiny vocabulary random drafts are right by chance; over 272 tokens it leans to the target's favourite)."""
+    favour = None
+    if vocab > 16:
+        emitted = [t for p in PROMPTS for t in Engine(target).complete(p, greedy()).token_ids]
+        favour = max(set(emitted), key=emitted.count)
+    return {"eagle3": eagle3_head(root / "eagle3", target, vocab),
+            "dflash": write_random_dflash(root / "dflash", target, scale=0.05, favour=favour)}
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """The target (shipping an MTP module), a noisy copy as the draft model, the target's folder, and an EAGLE-3
-    head for it."""
+    """The target (shipping an MTP module), a noisy copy as the draft model, the target's folder, and the
+    folders of drafters with weights of their own (an EAGLE-3 head, a DFlash drafter) for it."""
     root = tmp_path_factory.mktemp("contract")
     add_mtp_layers(save_tiny_model(root / "target", "qwen2", scale=0.15), "deepseek", follow=1.0)
     target = load_model(root / "target", dtype="float32")
     draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
-    return target, draft, root / "target", eagle3_head(root / "eagle3", target, TINY_VOCAB)
+    return target, draft, root / "target", drafter_folders(root, target, TINY_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +130,7 @@ def small_vocab_engine(tmp_path_factory):
     add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)
     target = load_model(root / "t", dtype="float32")
     draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB), dtype="float32")
-    return Engine(target, draft, draft_path=eagle3_head(root / "eagle3", target, VOCAB))
+    return Engine(target, draft, draft_path=drafter_folders(root, target, VOCAB))
 
 
 @pytest.mark.usefixtures("single_thread")

@@ -22,8 +22,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", help=f"draft model for --spec-type draft (default {DEFAULT_DRAFT} "
                        "when --model is not given)")
     group.add_argument("--draft-head", help="weights of a drafter with a format of its own, e.g. an EAGLE-3 head "
-                       "folder for --spec-type eagle3 (there --draft-model PATH works too, unless a draft model "
-                       "is used as well)")
+                       "folder for --spec-type eagle3 or a DFlash folder for dflash (there --draft-model PATH works "
+                       "too, unless a draft model is used as well); for several such drafters at once, "
+                       "METHOD=PATH,METHOD=PATH (eagle3=./head,dflash=./dflash)")
     group.add_argument("--dtype", default="auto", help="auto (bf16 where supported), bfloat16, float32, float16")
     group.add_argument("--draft-dtype", help="dtype of the draft model (default: --dtype); never changes the output")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -105,7 +106,7 @@ def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_f
                   load_draft_anyway: bool = False) -> tuple[str | None, str | None]:
     """(the draft model to load, or None; the path a drafter reads its own weights from, or None).
     load_draft_anyway: serve's --allow-draft-override, a draft model for requests that ask for one."""
-    path = args.draft_head
+    path = drafter_paths(args.draft_head)
     wanted = spec_needs_model or load_draft_anyway
     if spec_needs_files and path is None:
         if spec_needs_model:
@@ -114,6 +115,18 @@ def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_f
         path = args.draft_model  # --draft-model names the head here; a draft model can only be the default
         return (DEFAULT_DRAFT if wanted and args.model is None else None), path
     return (default_draft_name(args) if wanted else None), path
+
+
+def drafter_paths(value: str | None) -> str | dict[str, str] | None:
+    """--draft-head: one folder, or METHOD=PATH pairs (comma-separated) when several drafters read their own."""
+    from specdecode.drafters.registry import DRAFTERS
+
+    if value is None or "=" not in value:
+        return value
+    pairs = [part.partition("=") for part in value.split(",")]
+    if not all(method in DRAFTERS and sep and path for method, sep, path in pairs):
+        return value  # a folder whose name holds "=": taken as one path
+    return {method: path for method, _, path in pairs}
 
 
 def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):

@@ -43,11 +43,16 @@ class DrafterResources:
     target: LoadedModel
     draft: LoadedModel | None = None
     context_limit: int = 0
-    draft_path: str | None = None  # --draft-head as given, for drafters with their own weight format
+    # --draft-head as given, for drafters with their own weight format: one path, or method -> its path
+    draft_path: str | dict[str, str] | None = None
     draft_quant: str = "none"  # what a drafter's own weights run as: none, int8, int4 or w4a8
     # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
     # differ only in options share them, and the Engine counts them once.
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)
+
+    def path_for(self, method: str) -> str | None:
+        """The folder method `method` reads its own weights from, or None."""
+        return self.draft_path.get(method) if isinstance(self.draft_path, dict) else self.draft_path
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,

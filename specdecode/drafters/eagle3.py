@@ -78,13 +78,14 @@ class Eagle3Drafter(Drafter):
         from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
         from specdecode.models.quant.quantize_module import quantize_linears
 
-        if resources.draft_path is None:
+        path = resources.path_for("eagle3")
+        if path is None:
             raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
                                   "config.json and safetensors weights)")
         target = resources.target.model
-        key = f"eagle3:{resources.draft_path}"
+        key = f"eagle3:{path}"
         if key not in resources.own_weights:  # another configuration (chain or tree) may have loaded it
-            head, description = load_eagle3_head(resources.draft_path, target,
+            head, description = load_eagle3_head(path, target,
                                                  resources.context_limit + MAX_DRAFT_TOKENS)
             # Its share of each step is mostly these matrix products: on CPU, --draft-quant's kernels.
             quantized = quantize_linears(head, resources.draft_quant)

@@ -1,0 +1,128 @@
+"""DFlash: a block-diffusion drafter proposes a whole block in one forward (models/dflash_model.py).
+
+As the reference's loop (PyPI `dflash`, dflash_generate): the drafter's cache holds context keys and values for
+every committed position but the last, made from the target's states there; a proposal is one forward of the
+block [last committed token, MASK x (B-1)] at the next B positions, whose slots 1..B-1 are the drafts (sampled
+each from its own slot's law: a slot does not see the others' samples, so that law is the one verification
+needs). The block's own keys never stay in the cache. After verification the target's states along the
+accepted path (the root and the accepted drafts) become context. The draft length is the block (B-1 tokens,
+`--dflash-block-size` to verify fewer rows), cut by the token budget, not the adaptive length.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import MAX_DRAFT_TOKENS
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.registry import register
+from specdecode.errors import SpecDecodeError
+from specdecode.models.dflash_model import DFlashModel
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.loader import module_bytes
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DFlashOptions:
+    dflash_block_size: int = option(0, "slots per block, the root included (0 = the drafter's own, usually 16): "
+                                    "fewer rows to verify per step, at the cost of shorter drafts")
+
+    def check(self) -> None:
+        if self.dflash_block_size == 1 or not 0 <= self.dflash_block_size <= MAX_DRAFT_TOKENS + 1:
+            raise SpecDecodeError(f"dflash_block_size must be 0 (the drafter's own) or 2..{MAX_DRAFT_TOKENS + 1}, "
+                                  f"got {self.dflash_block_size}")
+
+
+@dataclass
+class DFlashState:
+    cache: KVCache  # context keys and values of positions 0..fed-1 in every draft layer
+    fed: int  # committed positions the drafter has as context
+    pending: torch.Tensor  # [R, n_aux * Ht] the target's states of positions fed..fed+R-1, not in the cache yet
+
+
+@register
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    caps = DrafterCaps(emits_probs=True, block_size=16, draft_files=True)
+    Options = DFlashOptions
+    aliases = ("draft-dflash",)
+    vllm_method = "dflash"
+
+    def __init__(self, model: DFlashModel, options: DFlashOptions):
+        self.model = model
+        self.block = options.dflash_block_size or model.config.block_size
+        self.caps = DrafterCaps(hidden_layers=tuple(sorted(model.config.boundary_ids)), emits_probs=True,
+                                block_size=self.block, draft_files=True)
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options: DFlashOptions) -> DFlashDrafter:
+        from specdecode.models.formats.dflash_checkpoint import load_dflash
+        from specdecode.models.quant.quantize_module import quantize_linears
+
+        path = resources.path_for("dflash")
+        if path is None:
+            raise SpecDecodeError("method 'dflash' needs a DFlash drafter: --draft-model PATH (a folder with "
+                                  "config.json and safetensors weights)")
+        key = f"dflash:{path}"
+        if key not in resources.own_weights:  # another configuration (another block size) may have loaded it
+            model, description = load_dflash(path, resources.target.model,
+                                             resources.context_limit + MAX_DRAFT_TOKENS + 2)
+            quantized = quantize_linears(model, resources.draft_quant)
+            log.info("%s%s", description, f"; {quantized} layers in {resources.draft_quant}" if quantized else "")
+            resources.own_weights[key] = model
+        return cls(resources.own_weights[key], options)
+
+    def max_nodes(self, budget: int) -> int:
+        return min(budget, self.block - 1)
+
+    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        state = DFlashState(self.model.new_cache(seq.capacity), 0, self._states(prefill))
+        seq.drafter_state[self.name] = state
+        self._read_pending(state)  # the prompt now, in the prefill phase
+
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        state = seq.drafter_state[self.name]
+        self._read_pending(state)
+        device = self.model.device
+        root = len(seq.tokens) - 1  # the last committed token's position: the block's slot 0
+        tokens = torch.full((self.block,), self.model.config.mask_token_id, dtype=torch.long, device=device)  # [B]
+        tokens[0] = seq.tokens[-1]
+        positions = torch.arange(root, root + self.block, device=device)  # [B]
+        with torch.inference_mode():
+            logits = self.model.block_logits(tokens, positions, state.cache)[: self.max_nodes(budget)]  # [n, V]
+        if seq.sampling.greedy:
+            return DraftProposal.chain(logits.argmax(dim=-1).tolist(), None, self.name)
+        q = logits_to_probs(logits, seq.sampling)  # [n, V]: each slot's own law
+        return DraftProposal.chain(sample(q, seq.generator).tolist(), q, self.name)
+
+    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        state = seq.drafter_state[self.name]
+        state.pending = torch.cat([state.pending, self._states(target)])
+
+    def weights_bytes(self) -> int:
+        return module_bytes(self.model)
+
+    def request_bytes(self, seq: Sequence) -> int:
+        state = seq.drafter_state.get(self.name)
+        return state.cache.nbytes if state is not None else 0
+
+    def _states(self, target: TargetOutput) -> torch.Tensor:
+        """The target's rows -> [T, n_aux * Ht], the states in the order of the drafter's config (fc's blocks)."""
+        return torch.cat([target.hidden[i] for i in self.model.config.boundary_ids], dim=-1)
+
+    def _read_pending(self, state: DFlashState) -> None:
+        rows = state.pending.shape[0]
+        if rows == 0:
+            return
+        positions = torch.arange(state.fed, state.fed + rows, device=self.model.device)  # [R]
+        with torch.inference_mode():
+            self.model.add_context(state.pending, positions, state.cache)
+        state.fed += rows
+        state.pending = state.pending[:0]

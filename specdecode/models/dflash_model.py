@@ -1,0 +1,155 @@
+"""The DFlash drafter (z-lab, arXiv 2602.06036): a few Qwen3-style layers that denoise a whole block at once.
+
+The target's hidden states at several layers are fused into context features C = hidden_norm(fc(concat)), and
+every draft layer reads C as extra keys and values (its own k/v projections, k_norm and rope at the context
+positions; C skips the layer's input norm). A block is the last committed token followed by B-1 mask tokens,
+embedded by the target; the layers attend non-causally over the cached context and the whole block, and slot
+j >= 1 predicts the token at its own position through the target's head. One forward drafts B-1 tokens. As the
+reference (PyPI `dflash`, dflash/model.py) computes it:
+
+    C     = hidden_norm(fc(concat_k h_{id_k + 1}))         ids in "output of layer k" convention
+    X     = embed([x_root, MASK, ..., MASK]) * input_embedding_scale
+    layer: Xn = input_norm(X); q from Xn; k, v from [C ; Xn]; X += o(attn); X += mlp(post_norm(X))
+    logits = head(norm(X))[1:] * output_multiplier          (tanh soft-capped when the config says so)
+
+Sliding-window layers are causal within their window unless the config says otherwise (the reference's rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.models.kv_cache import KVCache
+from specdecode.models.model_config import ModelConfig
+from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
+from specdecode.models.transformer import MLP, RMSNorm
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    layer: ModelConfig  # the draft layers' sizes, rope and biases (num_layers = draft layers; the target's vocab)
+    target_layer_ids: tuple[int, ...]  # as the checkpoint names them: output of target layer k
+    block_size: int  # slots per block: the root and block_size - 1 masks
+    mask_token_id: int
+    target_hidden_size: int
+    causal_layers: tuple[bool, ...]  # per draft layer: causal attention within the block
+    windows: tuple[int | None, ...]  # per draft layer: its sliding window, None for full attention
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    logit_softcap: float | None = None
+
+    @property
+    def boundary_ids(self) -> tuple[int, ...]:
+        """Our boundary ids (DESIGN.md) for the target states read: the output of layer k is boundary k + 1."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, heads, kv_heads, dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.attn_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.q = nn.Linear(hidden, heads * dim, bias=config.qkv_bias)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * dim, bias=config.qkv_bias)  # k and v stacked
+        self.o = nn.Linear(heads * dim, hidden, bias=config.o_bias)
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (context features, or the block after the input norm) -> keys, values [1, Hkv, T, D]."""
+        k, v = self.kv(x).view(x.shape[0], 2, self.kv_heads, self.dim).unbind(1)  # [T, Hkv, D] each
+        k = apply_rope(self.k_norm(k).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, Hkv, T, D]
+        return k, v.transpose(0, 1).unsqueeze(0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_keys: torch.Tensor,
+                context_values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, H] the block; cos, sin [1, 1, B, D/2]; context keys/values [1, Hkv, C, D]; mask [B, C+B] bool or
+        None (everything visible) -> [B, H]."""
+        normed = self.attn_norm(x)
+        q = self.q(normed).view(x.shape[0], self.heads, self.dim)  # [B, h, D]
+        q = apply_rope(self.q_norm(q).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, h, B, D]
+        k, v = self.keys_values(normed, cos, sin)  # [1, Hkv, B, D] each
+        keys = torch.cat([context_keys, k], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        values = torch.cat([context_values, v], dim=2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, h, B, D]
+        x = x + self.o(out[0].transpose(0, 1).reshape(x.shape[0], self.heads * self.dim))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DFlashModel(nn.Module):
+    def __init__(self, config: DFlashConfig, target_embed: nn.Embedding, target_head: nn.Module):
+        super().__init__()
+        self.config = config
+        layer = config.layer
+        self.fc = nn.Linear(config.target_hidden_size * len(config.target_layer_ids), layer.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(layer) for _ in range(layer.num_layers))
+        self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        # The target's, not owned: kept out of this module's parameters (and its state dict).
+        self._shared = {"embed": target_embed, "head": target_head}
+        self.rope: RopeTable | None = None
+
+    def finish_loading(self, max_positions: int) -> None:
+        """Once weights, dtype and device are final: the drafter's own rope table."""
+        self.rope = RopeTable(inverse_frequencies(self.config.layer), max_positions, self.dtype, self.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def new_cache(self, capacity: int) -> KVCache:
+        layer = self.config.layer
+        return KVCache(layer.num_layers, 1, layer.num_kv_heads, layer.head_dim, capacity, self.dtype, self.device)
+
+    def add_context(self, states: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """The target's states [T, n_aux * Ht] (boundary order) at positions [T] -> every layer's context keys and
+        values, appended to the cache."""
+        context = self.hidden_norm(self.fc(states.to(self.dtype)))  # [T, H]
+        cos, sin = self.rope.lookup(positions.view(1, -1))
+        for index, layer in enumerate(self.layers):
+            k, v = layer.keys_values(context, cos, sin)
+            cache.write(index, k, v)
+        cache.record_positions(positions.view(1, -1))
+        cache.advance(positions.numel())
+
+    def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32
+        for slots 1..B-1 (the context is left as it was)."""
+        x = self._shared["embed"](tokens).to(self.dtype) * self.config.input_embedding_scale  # [B, H]
+        cos, sin = self.rope.lookup(positions.view(1, -1))  # [1, 1, B, D/2]
+        used = cache.lengths[0]
+        for index, layer in enumerate(self.layers):
+            mask = self._mask(index, cache.positions[0, :used], positions)
+            x = layer(x, cos, sin, cache.keys[index, :, :, :used], cache.values[index, :, :, :used], mask)
+        logits = self._shared["head"](self.norm(x[1:])).float() * self.config.output_multiplier  # [B-1, V]
+        if self.config.logit_softcap:
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
+        return logits
+
+    def _mask(self, layer: int, context_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """[B, C+B] bool: what each block slot sees in layer `layer` (None: everything)."""
+        causal, window = self.config.causal_layers[layer], self.config.windows[layer]
+        if not causal and window is None:
+            return None
+        keys = torch.cat([context_positions, positions])  # [C+B]
+        visible = torch.ones(positions.numel(), keys.numel(), dtype=torch.bool, device=positions.device)
+        gap = positions.view(-1, 1) - keys.view(1, -1)  # [B, C+B] query position - key position
+        if causal:
+            visible &= gap >= 0
+        if window is not None:
+            visible &= gap < window
+            if not causal:
+                visible &= -gap < window
+        return visible

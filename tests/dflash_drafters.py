@@ -1,0 +1,45 @@
+"""Random DFlash drafters for tiny test targets, written in z-lab's layout by our writer (the layout itself is
+checked against the authors' code in test_dflash.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdecode.models.dflash_model import DFlashConfig, DFlashModel
+from specdecode.models.formats.dflash_checkpoint import save_dflash
+from specdecode.models.loader import LoadedModel
+from specdecode.models.model_config import ModelConfig
+
+
+def write_random_dflash(folder: Path, target: LoadedModel, layers: int = 1, block: int = 4, seed: int = 0,
+                        scale: float = 0.3, favour: int | None = None) -> Path:
+    """A DFlash drafter for `target` reading its layers 0 and L-1 (output-of-layer ids), random weights.
+
+    favour: a token the drafter leans to in every slot, through its output projection's bias (random drafters
+    over 272 tokens are never accepted; the token the target emits most is then accepted often, not always)."""
+    tc = target.config
+    layer = ModelConfig(architecture="qwen3", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+                        intermediate_size=tc.intermediate_size, num_layers=layers, num_heads=tc.num_heads,
+                        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps,
+                        rope_theta=tc.rope_theta, max_position_embeddings=tc.max_position_embeddings, qk_norm=True,
+                        qkv_bias=True, o_bias=True)
+    config = DFlashConfig(layer=layer, target_layer_ids=(0, tc.num_layers - 1), block_size=block,
+                          mask_token_id=tc.vocab_size - 1, target_hidden_size=tc.hidden_size,
+                          causal_layers=(False,) * layers, windows=(None,) * layers)
+    model = DFlashModel(config, target.model.embed, target.model.lm_head)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            shape = param.shape
+            param.copy_(torch.randn(shape, generator=generator) * scale if param.dim() > 1
+                        else 0.8 + 0.4 * torch.rand(shape, generator=generator))
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+        if favour is not None:
+            row = target.model.lm_head.weight[favour].float()  # [H]
+            model.layers[-1].o.bias.add_(3.0 * row / row.pow(2).mean().sqrt())
+    return save_dflash(model, folder, tc)
+
