@@ -51,6 +51,11 @@ def mtp_folder(target: str | None) -> Path:
     return cache_dir() / "mtp" / model_label(target or DEFAULT_TARGET)
 
 
+def dflash_folder(target: str | None) -> Path:
+    """Where `specdecode train dflash` writes a DFlash drafter for `target` by default."""
+    return cache_dir() / "dflash" / model_label(target or DEFAULT_TARGET)
+
+
 def features_folder(target: str | None) -> Path:
     """Where `specdecode train` keeps the target's features by default, shared by every drafter kind."""
     return cache_dir() / "features" / model_label(target or DEFAULT_TARGET)

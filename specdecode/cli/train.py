@@ -1,11 +1,12 @@
-"""`specdecode train eagle3|mtp [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
+"""`specdecode train eagle3|mtp|dflash [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
 
 Two phases, both resumable (run the same command again): the target's features of text built from Python's
 standard library (its own answers to prompts made from documented functions, and the library's source), kept
 in a features folder that every drafter kind reads (CACHE/features/TARGET by default: train eagle3, then mtp,
 and the target runs once); then the training-time test over them (training/loop.py), with held-out acceptance
 on the progress bar and a checkpoint every --eval-every sequences. eagle3 writes a head in the reference
-layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target).
+layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target);
+dflash writes a DFlash drafter in z-lab's layout (training/dflash_train.py: anchored blocks, not the unroll).
 """
 
 from __future__ import annotations
@@ -16,20 +17,20 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.auto_method import features_folder, head_folder, mtp_folder
+from specdecode.auto_method import dflash_folder, features_folder, head_folder, mtp_folder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
-KINDS = ("eagle3", "mtp")
+KINDS = ("eagle3", "mtp", "dflash")
+DEFAULT_OUT = {"eagle3": head_folder, "mtp": mtp_folder, "dflash": dflash_folder}
 
 
 def add_parser(commands) -> None:
     train = commands.add_parser("train", help="train a drafter for a target on this machine (offline data)")
     train.add_argument("kind", choices=KINDS, help="the drafter to train")
     train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
-    train.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/eagle3/TARGET_NAME, "
-                       "where --spec-type auto finds a head, or CACHE/mtp/TARGET_NAME; CACHE as for the default "
-                       "models)")
+    train.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/KIND/TARGET_NAME, "
+                       "where --spec-type auto finds an EAGLE-3 head; CACHE as for the default models)")
     train.add_argument("--features", help="folder for the target's features, shared by every drafter kind "
                        "(default: CACHE/features/TARGET_NAME)")
     train.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
@@ -48,8 +49,12 @@ def add_parser(commands) -> None:
     train.add_argument("--intermediate-size", type=int,
                        help="the head's MLP width (default: half the target's, to fit a CPU hour; published heads "
                        "use the target's)")
-    train.add_argument("--num-layers", type=int, default=1,
-                       help="mtp: modules to train (default 1; draft step k uses module min(k, K-1))")
+    train.add_argument("--num-layers", type=int,
+                       help="mtp: modules to train (default 1; draft step k uses module min(k, K-1)); dflash: draft "
+                       "layers (default 2)")
+    train.add_argument("--block-size", type=int, default=8,
+                       help="dflash: slots per block, the root included (default 8: on a CPU each verified row costs)")
+    train.add_argument("--anchors", type=int, default=16, help="dflash: blocks per training sequence (default 16)")
     train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-4)
@@ -61,7 +66,7 @@ def add_parser(commands) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     for name in ("tokens", "held_out_tokens", "answer_tokens", "max_len", "draft_vocab", "unroll", "epochs",
-                 "eval_every", "num_layers"):
+                 "eval_every", "anchors"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.answers < 0 or (args.intermediate_size is not None and args.intermediate_size < 1):
@@ -70,10 +75,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
     if not 0 < args.lr < 1:
         raise SpecDecodeError(f"--lr must be in (0, 1), got {args.lr}")
-    if args.kind != "mtp" and args.num_layers != 1:
-        raise SpecDecodeError("--num-layers is for train mtp")
-    if args.kind != "eagle3" and args.intermediate_size is not None:
-        raise SpecDecodeError("--intermediate-size is for train eagle3 (an MTP module keeps the target's layer shape)")
+    if args.num_layers is not None and (args.kind == "eagle3" or args.num_layers < 1):
+        raise SpecDecodeError("--num-layers is for train mtp and dflash, and at least 1")
+    if args.kind == "mtp" and args.intermediate_size is not None:
+        raise SpecDecodeError("--intermediate-size is for train eagle3 and dflash (an MTP module keeps the target's "
+                              "layer shape)")
+    if not 2 <= args.block_size <= 33:
+        raise SpecDecodeError(f"--block-size must be 2..33, got {args.block_size}")
 
 
 def training_texts(answers: int):
@@ -96,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.training.eagle3_train import default_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings
+    from specdecode.training.dflash_train import train_dflash
     from specdecode.training.mtp_train import train_mtp
 
     check_device(args.device)
-    out = Path(args.out) if args.out else (head_folder if args.kind == "eagle3" else mtp_folder)(args.target)
+    out = Path(args.out) if args.out else DEFAULT_OUT[args.kind](args.target)
     features = Path(args.features) if args.features else features_folder(args.target)
     for folder in (out, features):
         try:
@@ -117,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
     done = extract(target, layer_ids, training_texts(args.answers), features, budget, args.answer_tokens,
                    args.max_len, args.quiet)
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
-    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind == "eagle3"
-                             else None, modules=args.num_layers, steps=args.unroll, epochs=args.epochs, lr=args.lr,
+    settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind != "mtp" else None,
+                             modules=args.num_layers or (2 if args.kind == "dflash" else 1), steps=args.unroll,
+                             block_size=args.block_size, anchors=args.anchors, epochs=args.epochs, lr=args.lr,
                              eval_every=args.eval_every, device=args.device)
     curve_file = out / "learning_curve.jsonl"
 
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
-    train = train_eagle3 if args.kind == "eagle3" else train_mtp
+    train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash}[args.kind]
     result = train(target, features, out, settings, args.quiet, record)
     rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
     print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
@@ -138,6 +148,8 @@ def _usage(args: argparse.Namespace, out: Path) -> str:
     if args.kind == "eagle3":
         auto = " (or --spec-type auto, which looks here)" if out == head_folder(args.target) else ""
         return f"specdecode generate \"...\" --model {args.target} --spec-type eagle3 --draft-model {out}{auto}"
+    if args.kind == "dflash":
+        return f"specdecode generate \"...\" --model {args.target} --spec-type dflash --draft-model {out}"
     model = next(iter(sorted(out.glob("*-mtp.gguf"))), out)  # the GGUF file keeps the target's own quantization
     return (f"specdecode generate \"...\" --model {model} --spec-type mtp --mtp-draft-vocab {args.draft_vocab} "
             "(the vocabulary it was trained to draft over)")

@@ -124,10 +124,14 @@ class DFlashModel(nn.Module):
         cache.record_positions(positions.view(1, -1))
         cache.advance(positions.numel())
 
+    def embed_block(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> [N, H]: the target's embedding, scaled as the config says."""
+        return self._shared["embed"](tokens).to(self.dtype) * self.config.input_embedding_scale
+
     def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32
         for slots 1..B-1 (the context is left as it was)."""
-        x = self._shared["embed"](tokens).to(self.dtype) * self.config.input_embedding_scale  # [B, H]
+        x = self.embed_block(tokens)  # [B, H]
         cos, sin = self.rope.lookup(positions.view(1, -1))  # [1, 1, B, D/2]
         used = cache.lengths[0]
         for index, layer in enumerate(self.layers):

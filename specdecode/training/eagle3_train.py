@@ -16,7 +16,7 @@ from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Attention
 from specdecode.training.from_target import draft_vocabulary, output_rows
-from specdecode.training.loop import Trainee, TrainSettings, train_drafter
+from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -98,7 +98,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
     def build(draft_ids: torch.Tensor) -> Trainee:
         head = new_head(target, layer_ids, draft_ids, settings)
         head.finish_loading(max_positions(features))
-        return Trainee("eagle3", head, Eagle3Unroll(head, columns),
+        return Trainee("eagle3", head, unrolled(Eagle3Unroll(head, columns), settings.steps),
                        lambda folder: save_eagle3_head(head, folder, target.config))
 
     def vocabulary(files: list[Path]) -> torch.Tensor:

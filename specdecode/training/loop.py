@@ -17,7 +17,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import LoadedModel
 from specdecode.training.features import Shard, load_shard, shard_files
-from specdecode.training.ttt import UnrollLayer, unroll
+from specdecode.training.ttt import UnrollLayer, UnrollResult, unroll
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -26,7 +26,9 @@ CHECKPOINT = "checkpoint.pt"
 class TrainSettings:
     draft_vocab: int = 32000  # tokens the drafter drafts over (its loss and output rows)
     intermediate_size: int | None = None  # an EAGLE-3 head's MLP width (None: the target's)
-    modules: int = 1  # MTP modules to train
+    modules: int = 1  # MTP modules, or DFlash layers, to train
+    block_size: int = 8  # DFlash: slots per block, the root included
+    anchors: int = 16  # DFlash: blocks per training sequence
     steps: int = 3  # unrolled draft steps (training-time test)
     epochs: int = 2
     lr: float = 3e-4
@@ -40,10 +42,19 @@ class TrainSettings:
 class Trainee:
     """What a drafter kind hands the loop."""
 
-    kind: str  # "eagle3", "mtp": names the progress bar and the checkpoint's settings
+    kind: str  # "eagle3", "mtp", "dflash": names the progress bar and the checkpoint's settings
     module: nn.Module  # the weights trained and checkpointed
-    layer: UnrollLayer  # the module as the unroll runs it
+    # One sequence's loss and per-draft-position hits: (shard, target_to_draft [V]) -> UnrollResult
+    objective: Callable[[Shard, torch.Tensor], UnrollResult]
     save: Callable[[Path], None]  # writes the trained drafter to a folder
+
+
+def unrolled(layer: UnrollLayer, steps: int) -> Callable[[Shard, torch.Tensor], UnrollResult]:
+    """The training-time test (ttt.py) as an objective: for drafters that draft step by step."""
+    def objective(shard: Shard, target_to_draft: torch.Tensor) -> UnrollResult:
+        return unroll(layer, shard.tokens, shard.hidden, shard.top_ids, shard.top_logprobs, shard.loss_mask,
+                      target_to_draft, steps)
+    return objective
 
 
 def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable[[list[Path]], torch.Tensor],
@@ -80,7 +91,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
                               enabled=_bf16_fast(settings.device))
     order = [path for epoch in range(settings.epochs) for path in _shuffled(train_files, settings.seed + epoch)]
-    measured = evaluate(trainee.layer, held_out, target_to_draft, settings, autocast) if step == 0 \
+    measured = evaluate(trainee.objective, held_out, target_to_draft, settings, autocast) if step == 0 \
         else state["measured"]
     tokens_seen = sum(lengths[p] for p in order[:step])  # for the learning curve
     bar = tqdm(total=total, initial=step, unit="seq", desc=f"training {trainee.kind}", disable=quiet)
@@ -90,8 +101,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     for path in order[step:]:
         shard = _to(load_shard(path), settings.device)
         with autocast:
-            result = unroll(trainee.layer, shard.tokens, shard.hidden, shard.top_ids, shard.top_logprobs,
-                            shard.loss_mask, target_to_draft, settings.steps)
+            result = trainee.objective(shard, target_to_draft)
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
@@ -101,7 +111,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
         tokens_seen += shard.tokens.numel()
         bar.update(1)
         if step % settings.eval_every == 0 or step == total:
-            measured = evaluate(trainee.layer, held_out, target_to_draft, settings, autocast)
+            measured = evaluate(trainee.objective, held_out, target_to_draft, settings, autocast)
             _save_checkpoint(checkpoint, trainee.module, optimizer, schedule, step, draft_ids, made_with, measured)
             if on_eval is not None:
                 on_eval(step, tokens_seen, measured)
@@ -112,19 +122,19 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
 
 
 @torch.no_grad()
-def evaluate(layer: UnrollLayer, files: list[Path], target_to_draft: torch.Tensor, settings: TrainSettings,
-             autocast) -> list[float]:
-    """Per unrolled step, how often the drafter's draft is the target's own next token on held-out text (draft
+def evaluate(objective: Callable[[Shard, torch.Tensor], UnrollResult], files: list[Path],
+             target_to_draft: torch.Tensor, settings: TrainSettings, autocast) -> list[float]:
+    """Per draft position, how often the drafter's draft is the target's own next token on held-out text (draft
     position k's acceptance given the drafts before it were right; a next token outside the draft vocabulary
     counts as a miss)."""
-    correct, counted = [0] * settings.steps, [0] * settings.steps
+    correct: list[int] = []
+    counted: list[int] = []
     for path in files:
         shard = _to(load_shard(path), settings.device)
         with autocast:
-            result = unroll(layer, shard.tokens, shard.hidden, shard.top_ids, shard.top_logprobs, shard.loss_mask,
-                            target_to_draft, settings.steps)
-        correct = [a + b for a, b in zip(correct, result.correct)]
-        counted = [a + b for a, b in zip(counted, result.counted)]
+            result = objective(shard, target_to_draft)
+        correct = [a + b for a, b in zip(correct or [0] * len(result.correct), result.correct)]
+        counted = [a + b for a, b in zip(counted or [0] * len(result.counted), result.counted)]
     return [c / max(n, 1) for c, n in zip(correct, counted)]
 
 

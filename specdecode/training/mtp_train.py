@@ -27,7 +27,7 @@ from specdecode.models.rope import RopeTable, inverse_frequencies
 from specdecode.models.transformer import Attention
 from specdecode.training.eagle3_train import feature_columns, max_positions
 from specdecode.training.from_target import dense_weight, output_rows
-from specdecode.training.loop import Trainee, TrainSettings, train_drafter
+from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
 def mtp_vocabulary(target: LoadedModel, size: int) -> torch.Tensor:
@@ -118,7 +118,8 @@ def train_mtp(target: LoadedModel, features: Path, out: Path, settings: TrainSet
         modules = new_modules(target, settings.modules, settings)
         rows = output_rows(target, draft_ids).to(settings.device)  # [Vd, H]
         layer = MTPUnroll(target, modules, column, rows, max_positions(features))
-        return Trainee("mtp", modules, layer, lambda folder: write_model_with_mtp(target, modules, folder, quiet))
+        return Trainee("mtp", modules, unrolled(layer, settings.steps),
+                       lambda folder: write_model_with_mtp(target, modules, folder, quiet))
 
     return train_drafter(build, lambda files: mtp_vocabulary(target, settings.draft_vocab), target, features,
                          out, settings, quiet, on_eval)
