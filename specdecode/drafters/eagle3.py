@@ -20,12 +20,12 @@ import torch
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
+from specdecode.drafters.hidden_chain import draft_chain
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import module_bytes
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -144,27 +144,15 @@ class Eagle3Drafter(Drafter):
         state.logits, state.hidden = logits[0, -1], hidden[0, -1]  # [Vd], [H]
 
     def _chain(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        logits, hidden = state.logits, state.hidden  # [Vd], [H]
         device = self.head.device
-        for i in range(budget):
-            full = self._target_logits(logits)  # [V]
-            if seq.sampling.greedy:
-                token = int(full.argmax())
-            else:
-                q = logits_to_probs(full, seq.sampling)  # [V]: the law the draft token is drawn from
-                token = int(sample(q, seq.generator))
-                rows.append(q)
-            tokens.append(token)
-            if i + 1 < budget:
-                step = torch.tensor([[token]], device=device)  # [1, 1]
-                position = torch.tensor([[len(seq.tokens) - 1 + i]], device=device)  # [1, 1]
-                with torch.inference_mode():
-                    out, fed_back = self.head(step, hidden.view(1, 1, -1), position, state.cache)
-                logits, hidden = out[0, -1], fed_back[0, -1]
-        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
-        return DraftProposal.chain(tokens, torch.stack(rows) if rows else None, self.name)
+
+        def step(index: int, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            position = torch.tensor([[len(seq.tokens) - 2 + index]], device=device)  # [1, 1]: one on per step
+            out, fed_back = self.head(torch.tensor([[token]], device=device), hidden.view(1, 1, -1), position,
+                                      state.cache)
+            return self._target_logits(out[0, -1]), fed_back[0, -1]
+
+        return draft_chain(seq, budget, self._target_logits(state.logits), state.hidden, step, self.name)
 
     def _tree(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
         """Top-k children are deterministic drafts (no q): verification uses the one-hot rule, in sampling too."""

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.hidden_chain import draft_chain
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import module_bytes
 from specdecode.models.transformer import Transformer
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 
@@ -80,8 +80,7 @@ class MTPDrafter(Drafter):
                                   "`specdecode train mtp` trains them onto a model")
         if not options.mtp_draft_vocab or options.mtp_draft_vocab >= config.vocab_size:
             return cls(model, options, None, None)
-        eos = sorted(t for t in resources.target.tokenizer.eos_token_ids if t >= options.mtp_draft_vocab)
-        ids = torch.cat([torch.arange(options.mtp_draft_vocab), torch.tensor(eos, dtype=torch.long)])  # [Vd]
+        ids = frequent_ids(options.mtp_draft_vocab, config.vocab_size, resources.target.tokenizer.eos_token_ids)
         key = f"mtp-head:{options.mtp_draft_vocab}"
         if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
             resources.own_weights[key] = reduced_head(model, ids, resources.draft_quant)
@@ -97,29 +96,18 @@ class MTPDrafter(Drafter):
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         state = seq.drafter_state[self.name]
         self._read_pending(seq, state)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        logits, hidden = state.logits, state.hidden  # [Vd], [H]
         device = self.target.device
-        for i in range(budget):
-            full = self._target_logits(logits)  # [V]
-            if seq.sampling.greedy:
-                token = int(full.argmax())
-            else:
-                q = logits_to_probs(full, seq.sampling)  # [V]: the law the draft token is drawn from
-                token = int(sample(q, seq.generator))
-                rows.append(q)
-            tokens.append(token)
-            if i + 1 < budget:
-                module = min(i + 1, self.modules - 1)
-                if module < i + 1:
-                    seq.stats.note("mtp_module_reused")
-                step = torch.tensor([[token]], device=device)  # [1, 1]
-                position = torch.tensor([[len(seq.tokens) - 1 + i]], device=device)  # [1, 1]
-                logits, hidden = self._module(module, step, hidden.view(1, 1, -1), position, state.caches[module])
-                logits, hidden = logits[0, -1], hidden[0, -1]
-        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
-        return DraftProposal.chain(tokens, torch.stack(rows) if rows else None, self.name)
+
+        def step(index: int, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            module = min(index, self.modules - 1)
+            if module < index:
+                seq.stats.note("mtp_module_reused")
+            position = torch.tensor([[len(seq.tokens) - 2 + index]], device=device)  # [1, 1]: one on per step
+            logits, fed_back = self._module(module, torch.tensor([[token]], device=device), hidden.view(1, 1, -1),
+                                            position, state.caches[module])
+            return self._target_logits(logits[0, -1]), fed_back[0, -1]
+
+        return draft_chain(seq, budget, self._target_logits(state.logits), state.hidden, step, self.name)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]
@@ -165,6 +153,13 @@ class MTPDrafter(Drafter):
         full = logits.new_full((self.target.config.vocab_size,), float("-inf"))  # [V]
         full[self.draft_to_target] = logits
         return full
+
+
+def frequent_ids(size: int, vocab: int, end_of_turn: frozenset[int]) -> torch.Tensor:
+    """The `size` lowest ids (a byte-level BPE vocabulary numbers its merges most frequent first) and the
+    end-of-turn tokens, ascending -> [Vd] long: what `mtp_draft_vocab` drafts over and `train mtp` trains on."""
+    ends = sorted(t for t in end_of_turn if t >= size)
+    return torch.cat([torch.arange(min(size, vocab)), torch.tensor(ends, dtype=torch.long)])
 
 
 def reduced_head(model: Transformer, ids: torch.Tensor, quant: str) -> nn.Module:

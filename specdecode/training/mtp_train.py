@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.drafters.mtp import frequent_ids
 from specdecode.models.formats.mtp_export import mtp_layout, write_model_with_mtp
 from specdecode.models.loader import LoadedModel
 from specdecode.models.mtp import MTPModule
@@ -31,10 +32,8 @@ from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unro
 
 
 def mtp_vocabulary(target: LoadedModel, size: int) -> torch.Tensor:
-    """The `size` lowest ids (a byte-level BPE numbers merges most frequent first) and the end-of-turn tokens,
-    ascending -> [Vd] long; the `mtp` drafter's `mtp_draft_vocab` picks the same."""
-    ends = [t for t in target.tokenizer.eos_token_ids if t >= size]
-    return torch.cat([torch.arange(min(size, target.config.vocab_size)), torch.tensor(sorted(ends), dtype=torch.long)])
+    """The ids the loss covers [Vd]: the `mtp` drafter's `mtp_draft_vocab` choice for the same size."""
+    return frequent_ids(size, target.config.vocab_size, target.tokenizer.eos_token_ids)
 
 
 class MTPUnroll:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
+from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
@@ -37,43 +38,19 @@ SHARED_COPIES = {"embed_tokens.weight", "lm_head.weight"}  # the target's own ar
 def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tuple[DFlashModel, str]:
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
-    hf = _read_config(folder)
+    hf = read_drafter_config(folder, "a DFlash drafter")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
-    tensors = _our_tensors(FolderWeights(files), folder)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise SpecDecodeError(f"{folder}: the DFlash drafter lacks {', '.join(missing[:3])}")
-    for name, tensor in tensors.items():
-        if name not in expected:
-            raise SpecDecodeError(f"{folder}: unexpected tensor {name!r} for this drafter's config")
-        if tuple(tensor.shape) != expected[name]:
-            raise SpecDecodeError(f"{folder}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                                  f"{expected[name]}; was it trained for another target?")
-    model.load_state_dict(tensors)
+    load_checked(model, _our_tensors(FolderWeights(files), folder), folder, "DFlash drafter")
     model.to(dtype=target.dtype, device=target.device)
     model.finish_loading(max_positions)
     model.requires_grad_(False)
     ids = ", ".join(map(str, config.target_layer_ids))
     return model, (f"DFlash drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "
                    f"target layers {ids})")
-
-
-def _read_config(folder: Path) -> dict:
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise SpecDecodeError(f"{folder} is not a DFlash drafter folder (no config.json)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SpecDecodeError(f"cannot read {config_file} ({error})") from None
-    if not isinstance(hf, dict):
-        raise SpecDecodeError(f"{config_file} must hold a JSON object")
-    return hf
 
 
 def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
@@ -42,15 +43,7 @@ def load_eagle3_head(path: str | Path, target: Transformer, max_positions: int) 
     """The head in `path` (a folder), checked against `target`, in the target's dtype and device -> (head, one
     line saying what was loaded)."""
     folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise SpecDecodeError(f"{path} is not an EAGLE-3 head folder (no config.json)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SpecDecodeError(f"cannot read {config_file} ({error})") from None
-    if not isinstance(hf, dict):
-        raise SpecDecodeError(f"{config_file} must hold a JSON object")
+    hf = read_drafter_config(folder, "an EAGLE-3 head")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
@@ -62,17 +55,7 @@ def load_eagle3_head(path: str | Path, target: Transformer, max_positions: int) 
     config, layout = _config(hf, tensors, target, folder)
     head = Eagle3Head(config, target.embed, None if config.own_head else target.lm_head)
     d2t = tensors.pop("d2t", None)
-    expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise SpecDecodeError(f"{folder}: the EAGLE-3 head lacks {', '.join(missing[:3])}")
-    for name, tensor in tensors.items():
-        if name not in expected:
-            raise SpecDecodeError(f"{folder}: unexpected tensor {name!r} for this head's config")
-        if tuple(tensor.shape) != expected[name]:
-            raise SpecDecodeError(f"{folder}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                                  f"{expected[name]}")
-    head.load_state_dict(tensors)
+    load_checked(head, tensors, folder, "EAGLE-3 head")
     head.to(dtype=target.dtype, device=target.device)
     if d2t is not None:
         head.draft_to_target = _draft_to_target(d2t, config, folder).to(target.device)
