@@ -166,16 +166,9 @@ def reduced_head(model: Transformer, ids: torch.Tensor, quant: str) -> nn.Module
     """The output head's rows `ids` [Vd] as a layer of their own, in `quant` (--draft-quant)."""
     from specdecode.models.quant.quantize_module import quantize_linears
 
-    head = model.lm_head
-    if isinstance(head, nn.Linear):
-        rows = head.weight.detach()[ids.to(head.weight.device)]  # [Vd, H]
-    else:  # a quantized head: its float rows come from the embedding it was quantized from when tied
-        if not model.config.tie_word_embeddings:
-            raise SpecDecodeError("mtp_draft_vocab needs a float output head or one tied to the embedding; "
-                                  "load the model with --quant none")
-        rows = model.embed.weight.detach()[ids.to(model.device)]  # [Vd, H]
+    rows = model.output_rows(ids).to(model.dtype)  # [Vd, H], whatever the head's storage
     layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-    layer.weight = nn.Parameter(rows.clone(), requires_grad=False)
+    layer.weight = nn.Parameter(rows, requires_grad=False)
     head = nn.Sequential(layer)  # a container, so quantize_linears can swap the layer in place
     quantize_linears(head, quant)
     return head

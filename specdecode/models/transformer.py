@@ -156,6 +156,15 @@ class Transformer(nn.Module):
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output head's rows for `ids` [Vd] -> [Vd, H] float32, whatever the head's storage: its output on the
+        identity matrix is its weight (one-hot rows quantize exactly to int8, so this holds for w4a8 too)."""
+        hidden = self.config.hidden_size
+        with torch.inference_mode():
+            eye = torch.eye(hidden, dtype=self.dtype, device=self.device)  # [H, H]
+            columns = torch.cat([self.lm_head(eye[i : i + 256])[:, ids.to(self.device)] for i in range(0, hidden, 256)])
+        return columns.T.float().contiguous()  # [Vd, H]
+
     def new_mtp_cache(self, capacity: int) -> KVCache:
         """A cache for one MTP module's attention (one layer, one sequence)."""
         c = self.config

@@ -24,14 +24,8 @@ def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:
 
 
 def output_rows(target: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
-    """The target output head's rows for `ids` [Vd] -> [Vd, H] float32, whatever the head's storage: its output on
-    the identity matrix is its weight (one-hot rows quantize exactly to int8, so this holds for w4a8 too)."""
-    model = target.model
-    hidden = model.config.hidden_size
-    with torch.inference_mode():
-        eye = torch.eye(hidden, dtype=model.dtype, device=model.device)  # [H, H]
-        columns = torch.cat([model.lm_head(eye[i : i + 256])[:, ids.to(model.device)] for i in range(0, hidden, 256)])
-    return columns.T.float().contiguous()  # [Vd, H]
+    """The target output head's rows for `ids` [Vd] -> [Vd, H] float32 (Transformer.output_rows)."""
+    return target.model.output_rows(ids)
 
 
 def dense_weight(layer: nn.Module, in_features: int, dtype: torch.dtype, device: torch.device
