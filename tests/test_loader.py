@@ -260,3 +260,10 @@ def test_non_gguf_file_with_gguf_suffix_is_reported(tmp_path):
 def test_invalid_dtype_lists_the_choices(tiny_models):
     with pytest.raises(SpecDecodeError, match="unknown dtype 'float64'.*auto.*bfloat16.*float32"):
         load_model(tiny_models["qwen2"], dtype="float64")
+
+
+def test_weights_bytes_counts_prepacked_bf16_weights(tiny_models):
+    """oneDNN's prepacked linears are no module state; the memory they hold is counted all the same."""
+    model = load_model(tiny_models["qwen2"], dtype="bfloat16")
+    assert model.weights_bytes >= 2 * model.config.parameter_count  # every matrix, in bf16, plus norms and biases
+    assert model.weights_bytes < 2.1 * model.config.parameter_count

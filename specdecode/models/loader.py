@@ -18,7 +18,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.packed_linear import can_pack, pack_linears
+from specdecode.models.packed_linear import PackedLinear, can_pack, pack_linears
 from specdecode.models.quant.auto_quant import choose_quant
 from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
@@ -50,9 +50,11 @@ class LoadedModel:
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Memory a module's weights hold (tied weights counted once; quantized codes at their packed size)."""
+    """Memory a module's weights hold (tied weights counted once; quantized codes at their packed size; oneDNN's
+    prepacked weights, which are no state of the module, at their element size)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in module.state_dict().values()}
-    return sum(storages.values())
+    packed = [m.packed_weight for m in module.modules() if isinstance(m, PackedLinear)]
+    return sum(storages.values()) + sum(w.element_size() * w.numel() for w in packed)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
