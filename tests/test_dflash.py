@@ -81,3 +81,15 @@ def test_a_drafter_for_another_target_is_one_clear_error(tmp_path, target):
         load_dflash(folder, target.model, 128)
     with pytest.raises(SpecDecodeError, match="needs a DFlash drafter"):
         Engine(target).complete("hi", SamplingParams(max_tokens=2), SpecConfig("dflash"))
+
+
+def test_inspect_finds_a_dflash_drafter_beside_the_model(tmp_path, capsys):
+    from specdecode.cli.main import main
+
+    shutil.copytree(FIXTURES / "target", tmp_path / "target")
+    shutil.copytree(FIXTURES / "drafter", tmp_path / "target-dflash")
+    assert main(["inspect", str(tmp_path / "target"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"kind": "dflash", "path": str(tmp_path / "target-dflash")} in report["drafters_beside"]
+    row = next(m for m in report["methods"] if m["method"] == "dflash")
+    assert row["usable"] and row["flags"] == f"--spec-type dflash --draft-head {tmp_path / 'target-dflash'}"
