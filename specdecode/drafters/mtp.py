@@ -32,7 +32,8 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 
 @dataclass(frozen=True)
 class MTPOptions:
-    mtp_draft_vocab: int = option(0, "draft over the N most frequent tokens only (0 = the whole vocabulary); "
+    mtp_draft_vocab: int = option(0, "draft over the N lowest token ids (a byte-level BPE numbers its merges most "
+                                  "frequent first) and the end-of-turn tokens only (0 = the whole vocabulary); "
                                   "verification still uses the full output head")
 
     def check(self) -> None:
