@@ -16,7 +16,6 @@ from specdecode.models.loader import load_model
 from specdecode.training.dflash_train import block_objective, choose_anchors, new_dflash, train_dflash
 from specdecode.training.eagle3_train import default_layer_ids, feature_columns
 from specdecode.training.features import Shard, check_manifest, extract
-from specdecode.training.from_target import output_rows
 from specdecode.training.loop import TrainSettings, expected_accepted
 
 
@@ -40,7 +39,7 @@ def test_each_anchored_block_is_what_drafting_computes(target):
     states = torch.cat([out.hidden[i][0] for i in layers], dim=-1)  # [T, 3H]
     shard = Shard(tokens, states, torch.randint(0, 272, (20, 4)), torch.full((20, 4), -1.0),
                   torch.ones(20, dtype=torch.bool))
-    rows = output_rows(target, torch.arange(272))
+    rows = target.model.output_rows(torch.arange(272))
     objective = block_objective(model, feature_columns(layers, layers, 64), rows, anchors=5, keep_logits=True)
     with torch.no_grad():
         result = objective(shard, torch.arange(272))

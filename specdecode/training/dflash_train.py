@@ -29,7 +29,7 @@ from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import apply_rope
 from specdecode.training.eagle3_train import default_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
-from specdecode.training.from_target import dense_weight, output_rows
+from specdecode.training.from_target import dense_weight
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter
 from specdecode.training.ttt import UnrollResult
 
@@ -160,7 +160,7 @@ def train_dflash(target: LoadedModel, features: Path, out: Path, settings: Train
     def build(draft_ids: torch.Tensor) -> Trainee:
         model = new_dflash(target, settings, settings.block_size)
         model.finish_loading(max_positions(features) + settings.block_size)
-        rows = output_rows(target, draft_ids).to(device=settings.device, dtype=torch.bfloat16)  # [V, H]
+        rows = target.model.output_rows(draft_ids).to(device=settings.device, dtype=torch.bfloat16)  # [V, H]
         return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors),
                        lambda folder: save_dflash(model, folder, target.config))
 

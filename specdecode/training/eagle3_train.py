@@ -15,7 +15,7 @@ from specdecode.models.formats.eagle3_checkpoint import save_eagle3_head
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Attention
-from specdecode.training.from_target import draft_vocabulary, output_rows
+from specdecode.training.from_target import draft_vocabulary
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
@@ -82,7 +82,7 @@ def new_head(target: LoadedModel, layer_ids: tuple[int, ...], draft_ids: torch.T
     torch.manual_seed(settings.seed)
     head = Eagle3Head(config, target.model.embed)
     with torch.no_grad():
-        head.lm_head.weight.copy_(output_rows(target, draft_ids))
+        head.lm_head.weight.copy_(target.model.output_rows(draft_ids))
         head.norm.weight.copy_(target.model.norm.weight.float())
     head.draft_to_target = draft_ids.clone()
     return head.to(settings.device)

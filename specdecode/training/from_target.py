@@ -1,5 +1,6 @@
-"""What a drafter starts from or trains against, taken from the frozen target: its frequent tokens, its output
-head's rows and its layers' weights, in float whatever the target's storage (a w4a8 target included)."""
+"""What a drafter starts from or trains against, taken from the frozen target: its frequent tokens and its
+layers' weights, in float whatever the target's storage (a w4a8 target included); its output head's rows come
+from Transformer.output_rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.models.loader import LoadedModel
 from specdecode.training.features import load_shard
 
 
@@ -23,15 +23,10 @@ def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:
     return counts.topk(size).indices.sort().values
 
 
-def output_rows(target: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
-    """The target output head's rows for `ids` [Vd] -> [Vd, H] float32 (Transformer.output_rows)."""
-    return target.model.output_rows(ids)
-
-
 def dense_weight(layer: nn.Module, in_features: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer of any storage -> (weight [N, K] float32, bias [N] or None), read off its outputs: on the
-    identity (minus the bias, its output on zeros) as output_rows does."""
+    identity (minus the bias, its output on zeros) as Transformer.output_rows reads a head."""
     with torch.inference_mode():
         bias = getattr(layer, "bias", None)
         zero = layer(torch.zeros(1, in_features, dtype=dtype, device=device)).float()[0] if bias is not None else None

@@ -27,7 +27,7 @@ from specdecode.models.mtp import MTPModule
 from specdecode.models.rope import RopeTable, inverse_frequencies
 from specdecode.models.transformer import Attention
 from specdecode.training.eagle3_train import feature_columns, max_positions
-from specdecode.training.from_target import dense_weight, output_rows
+from specdecode.training.from_target import dense_weight
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
@@ -115,7 +115,7 @@ def train_mtp(target: LoadedModel, features: Path, out: Path, settings: TrainSet
 
     def build(draft_ids: torch.Tensor) -> Trainee:
         modules = new_modules(target, settings.modules, settings)
-        rows = output_rows(target, draft_ids).to(settings.device)  # [Vd, H]
+        rows = target.model.output_rows(draft_ids).to(settings.device)  # [Vd, H]
         layer = MTPUnroll(target, modules, column, rows, max_positions(features))
         return Trainee("mtp", modules, unrolled(layer, settings.steps),
                        lambda folder: write_model_with_mtp(target, modules, folder, quiet))

@@ -11,15 +11,13 @@ output head are the target's: copies stored in a checkpoint are left unread.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
-from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
+from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
@@ -164,12 +162,4 @@ def save_dflash(model: DFlashModel, folder: Path, target: ModelConfig) -> Path:
                           "num_target_layers": target.num_layers, "layer_types": ["full_attention"] * layer.num_layers,
                           "dflash_config": {"target_layer_ids": list(config.target_layer_ids),
                                             "mask_token_id": config.mask_token_id, "block_size": config.block_size}}
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in published.items()}, str(folder / "model.safetensors.partial"))
-        (folder / "config.json.partial").write_text(json.dumps(hf, indent=1))
-        (folder / "config.json.partial").replace(folder / "config.json")
-        (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
-    except OSError as error:
-        raise SpecDecodeError(f"cannot write the DFlash drafter to {folder} ({error})") from None
-    return folder
+    return write_drafter_folder(folder, published, hf, "the DFlash drafter")

@@ -1,5 +1,5 @@
 """What every drafter folder with weights of its own shares (EAGLE-3 heads, DFlash drafters): a config.json
-read with one clear error, and stored tensors checked against the module before they load."""
+read with one clear error, stored tensors checked against the module before they load, and both written whole."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
@@ -39,3 +40,17 @@ def load_checked(module: nn.Module, tensors: dict[str, torch.Tensor], folder: Pa
             raise SpecDecodeError(f"{folder}: {name} has shape {tuple(tensor.shape)}, the config implies "
                                   f"{expected[name]}; was it made for another target?")
     module.load_state_dict(tensors)
+
+
+def write_drafter_folder(folder: Path, tensors: dict[str, torch.Tensor], hf: dict, what: str) -> Path:
+    """model.safetensors and config.json into `folder`, each written whole under a temporary name and then
+    renamed: never half a drafter. `what` names it in the one error ("the head")."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors.partial"))
+        (folder / "config.json.partial").write_text(json.dumps(hf, indent=1))
+        (folder / "config.json.partial").replace(folder / "config.json")
+        (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
+    except OSError as error:
+        raise SpecDecodeError(f"cannot write {what} to {folder} ({error})") from None
+    return folder

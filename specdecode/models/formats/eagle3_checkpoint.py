@@ -13,15 +13,13 @@ A top-level id list wins over a nested one, as in vLLM. Only safetensors are rea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Config, Eagle3Head
-from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
+from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
@@ -250,12 +248,4 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
           "bos_token_id": target_config.bos_token_id, "eos_token_id": list(target_config.eos_token_ids) or None,
           "torch_dtype": "float32"}
-    try:  # both files written whole under temporary names first, then renamed: never half a head
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(published, str(folder / "model.safetensors.partial"))
-        (folder / "config.json.partial").write_text(json.dumps(hf, indent=1))
-        (folder / "config.json.partial").replace(folder / "config.json")
-        (folder / "model.safetensors.partial").replace(folder / "model.safetensors")
-    except OSError as error:
-        raise SpecDecodeError(f"cannot write the head to {folder} ({error})") from None
-    return folder
+    return write_drafter_folder(folder, published, hf, "the head")
