@@ -16,17 +16,20 @@ from time import perf_counter
 
 import torch
 
+from specdecode.batch_budget import BatchDraftBudget
+from specdecode.batched import forward_groups, padded_inputs
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.draft_length import DraftLength
 from specdecode.drafters import Drafter, DrafterResources, build_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.logprobs import TokenLogprob, token_logprobs
+from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import LoadedModel, module_bytes
 from specdecode.models.quant.quantized_linear import check_quant
+from specdecode.request_stream import GenerationEvent, RequestStream
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.speed_guard import PlainStepClock, SpeedGuard
 from specdecode.stats import GenerationStats
-from specdecode.tokenizer import IncrementalDetokenizer
 from specdecode.tree import ForwardInputs, proposal_depth, verify_inputs
 from specdecode.verify import verify
 
@@ -37,12 +40,13 @@ MAX_DRAFTER_CONFIGS = 64
 
 
 @dataclass
-class GenerationEvent:
-    token_ids: list[int]  # ids committed since the previous event
-    text: str  # text that became safe to show since the previous event
-    finish_reason: str | None = None  # "stop" (end of turn or stop string) or "length" (max tokens / context)
-    stats: GenerationStats | None = None  # on the last event only
-    logprobs: list[TokenLogprob] | None = None  # one per id of token_ids, when sampling.logprobs asks
+class _StepDraft:
+    """What one sequence brings to a step's forward."""
+
+    proposal: DraftProposal
+    budget: int  # tokens it was allowed to draft
+    start: int  # its root's slot: the last committed token, not in the cache yet
+    seconds: float  # spent drafting
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Engine:
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request
+        self.batch_budget = BatchDraftBudget()  # forward costs by rows and acceptance, for batched steps
         self.check_spec(self.spec)
 
     def drafter(self, spec: SpecConfig) -> Drafter:
@@ -125,30 +130,24 @@ class Engine:
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
                  raw: bool = False) -> Iterator[GenerationEvent]:
+        stream = self.open(prompt, sampling, spec, raw)
+        try:
+            event = stream.first_event()
+            yield event
+            while event.finish_reason is None:
+                event = stream.event(self.step(stream.seq))
+                yield event
+        finally:
+            self.finish(stream.seq)
+
+    def open(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
+             raw: bool = False) -> RequestStream:
+        """Start a request (prefill) as a stream of events; its caller steps `stream.seq` (alone or in a batch,
+        see step_many), hands each step's tokens to `stream.event`, and calls `finish` once it ends."""
         sampling = sampling or SamplingParams()
         started = perf_counter()
         seq = self.start(self.encode(prompt, raw), sampling, spec or self.spec)
-        detokenizer = IncrementalDetokenizer(self.target.tokenizer, sampling.stop)
-        new_ids = seq.tokens[-1:]
-        try:
-            while True:
-                new_ids, finish = self._finish_reason(seq, new_ids)
-                text = detokenizer.add(new_ids)
-                if detokenizer.stopped:
-                    # End at the token that completed the stop string, as plain decoding would.
-                    del seq.tokens[len(seq.tokens) - len(new_ids) + detokenizer.consumed :]
-                    new_ids, finish = new_ids[: detokenizer.consumed], "stop"
-                if finish is not None:
-                    break
-                yield GenerationEvent(new_ids, text, logprobs=self._newest_logprobs(seq, new_ids))
-                new_ids = self.step(seq)
-            seq.stats.new_tokens = seq.generated
-            seq.stats.total_seconds = perf_counter() - started
-            self._record_request_end(seq)  # before the last event: a server reads its stats before finish runs
-            yield GenerationEvent(new_ids, text + detokenizer.flush(), finish, seq.stats,
-                                  self._newest_logprobs(seq, new_ids))
-        finally:
-            self.finish(seq)
+        return RequestStream(seq, self.target.tokenizer, started, self._record_request_end)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
                  raw: bool = False) -> GenerationResult:
@@ -192,16 +191,55 @@ class Engine:
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
         """One speculative step; -> the tokens it committed (at least one)."""
+        return self.step_many([seq])[0]
+
+    @torch.inference_mode()
+    def step_many(self, seqs: list[Sequence]) -> list[list[int]]:
+        """One speculative step of each sequence, their verify rows in one target forward (batched.py); -> each
+        one's committed tokens. A sequence alone is held to its speed guard; in a batch, to the draft length
+        the load allows (batch_budget.py). Each sequence's tokens are what stepping it alone would commit given
+        the same draft: bitwise on a batch-invariant target (w4a8); a float target may differ at near-ties."""
         began = perf_counter()
-        room = min(seq.capacity - len(seq.tokens), seq.sampling.max_tokens - seq.generated)
-        wanted = min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
-        budget, withheld = seq.guard.budget(wanted)
-        proposal = seq.drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(seq.drafter.name)
+        wanted = [self._wanted(seq) for seq in seqs]
+        cap = self.batch_budget.draft_cap(seqs, wanted) if len(seqs) > 1 else None
+        drafts = [self._propose(seq, want, cap) for seq, want in zip(seqs, wanted)]
         proposed = perf_counter()
+        outputs = self._verify_forwards(seqs, drafts)
+        committed = [self._commit(seq, draft, out) for seq, draft, out in zip(seqs, drafts, outputs)]
+        ended = perf_counter()
+        for seq, draft, tokens in zip(seqs, drafts, committed):
+            if len(seqs) == 1:
+                seq.guard.observe(ended - began, len(tokens), draft.proposal.size)
+            else:
+                self.batch_budget.observe_sequence(seq, draft.budget, len(tokens) - 1, draft.seconds)
+            seq.stats.draft_seconds += draft.seconds
+            seq.stats.verify_seconds += ended - proposed  # a batch's forward counts for each of its sequences
+        return committed
+
+    @staticmethod
+    def _wanted(seq: Sequence) -> int:
+        """Tokens the sequence's draft length asks for this step, within its token budget and context."""
+        room = min(seq.capacity - len(seq.tokens), seq.sampling.max_tokens - seq.generated)
+        return min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
+
+    @staticmethod
+    def _propose(seq: Sequence, wanted: int, cap: int | None) -> _StepDraft:
+        began = perf_counter()
+        if cap is None:
+            budget, withheld = seq.guard.budget(wanted)
+        else:
+            budget, withheld = min(wanted, cap), ("batch_load" if cap == 0 and wanted > 0 else None)
+        proposal = seq.drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(seq.drafter.name)
+        if proposal.size == 0 and seq.drafter.caps.drafts:
+            seq.stats.record_undrafted(withheld or ("no_room" if wanted <= 0 else "no_proposal"))
         start = len(seq.tokens) - 1  # the root: the last committed token, not in the cache yet
-        out = self._forward(seq, verify_inputs(seq.tokens[-1], proposal, start, self.target.model.device))
+        return _StepDraft(proposal, budget, start, perf_counter() - began)
+
+    def _commit(self, seq: Sequence, draft: _StepDraft, out: TargetOutput) -> list[int]:
+        """Verify the sequence's proposal against its rows of the forward, keep the accepted path, commit."""
+        proposal = draft.proposal
         result = verify(proposal, out.logits, seq.sampling, seq.generator, seq.spec.relaxation)
-        seq.cache.keep(start, result.kept_rows)
+        seq.cache.keep(draft.start, result.kept_rows)
         seq.tokens.extend(result.tokens)
         accepted_path = out.rows(result.kept_rows)
         seq.drafter.commit(seq, result, accepted_path)
@@ -209,13 +247,24 @@ class Engine:
         depth = proposal_depth(proposal)
         seq.draft_length.update(depth, result.num_accepted)
         seq.stats.record_step(proposal.source, proposal.size, depth, result.num_accepted, len(result.tokens))
-        if proposal.size == 0 and seq.drafter.caps.drafts:
-            seq.stats.record_undrafted(withheld or ("no_room" if wanted <= 0 else "no_proposal"))
-        ended = perf_counter()
-        seq.guard.observe(ended - began, len(result.tokens), proposal.size)
-        seq.stats.draft_seconds += proposed - began
-        seq.stats.verify_seconds += ended - proposed
         return result.tokens
+
+    def _verify_forwards(self, seqs: list[Sequence], drafts: list[_StepDraft]) -> list[TargetOutput]:
+        """Each sequence's rows of the target, in as few forwards as their caches allow (usually one)."""
+        device = self.target.model.device
+        inputs = [verify_inputs(seq.tokens[-1], d.proposal, d.start, device) for seq, d in zip(seqs, drafts)]
+        if len(seqs) == 1:
+            return [self._forward(seqs[0], inputs[0])]
+        rows = [item.tokens.shape[1] for item in inputs]
+        outputs: list[TargetOutput | None] = [None] * len(seqs)
+        for group in forward_groups([d.start for d in drafts], rows, [s.cache.capacity for s in seqs]):
+            members = [seqs[b] for b in group]
+            began = perf_counter()
+            batch_out = self._forward_batch(members, padded_inputs([inputs[b] for b in group]))
+            self.batch_budget.observe_forward(len(group) * max(rows[b] for b in group), perf_counter() - began)
+            for b, out in zip(group, batch_out):
+                outputs[b] = out.rows(list(range(rows[b])))
+        return outputs
 
     def finish(self, seq: Sequence) -> None:
         """The request ended (or was dropped): the drafter lets go of its state for it."""
@@ -246,29 +295,18 @@ class Engine:
         final = None if out.final_hidden is None else out.final_hidden[0]  # [T, H]
         return TargetOutput(out.logits[0], {k: v[0] for k, v in out.hidden.items()}, final)
 
+    def _forward_batch(self, seqs: list[Sequence], inputs: ForwardInputs) -> list[TargetOutput]:
+        """One target forward over several sequences' padded rows (each with its own cache); -> each one's output
+        over all T rows (padding included), with the hidden states any of their drafters reads."""
+        hidden_layers = tuple(sorted({layer for seq in seqs for layer in seq.drafter.caps.hidden_layers}))
+        final_hidden = any(seq.drafter.caps.final_hidden for seq in seqs)
+        out = self.target.model(inputs.tokens, inputs.positions, CacheBatch([seq.cache for seq in seqs]),
+                                attn_mask=inputs.mask, hidden_layers=hidden_layers, final_hidden=final_hidden)
+        return [TargetOutput(out.logits[b], {k: v[b] for k, v in out.hidden.items()},
+                             None if out.final_hidden is None else out.final_hidden[b]) for b in range(len(seqs))]
+
     @staticmethod
     def _record_logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """Only when the request asks: row i of logits [len(tokens), V] is the distribution tokens[i] came from."""
         if seq.sampling.logprobs is not None:
             seq.logprobs.extend(token_logprobs(logits, tokens, seq.sampling.logprobs))
-
-    @staticmethod
-    def _newest_logprobs(seq: Sequence, new_ids: list[int]) -> list[TokenLogprob] | None:
-        """The log-probabilities of `new_ids`, the newest generated tokens (after any end-of-turn or stop cut)."""
-        if seq.sampling.logprobs is None:
-            return None
-        return seq.logprobs[seq.generated - len(new_ids) : seq.generated]
-
-    @staticmethod
-    def _finish_reason(seq: Sequence, new_ids: list[int]) -> tuple[list[int], str | None]:
-        """Cut the newest ids after an end-of-turn token; say why generation ends, if it does.
-
-        A step's draft budget keeps it within the token budget and the context (see step).
-        """
-        for i, token in enumerate(new_ids):
-            if token in seq.eos:
-                del seq.tokens[len(seq.tokens) - len(new_ids) + i + 1 :]
-                return new_ids[: i + 1], "stop"
-        if seq.generated >= seq.sampling.max_tokens or len(seq.tokens) >= seq.capacity:
-            return new_ids, "length"
-        return new_ids, None

@@ -85,6 +85,7 @@ def test_a_slow_drafter_is_paused_in_the_engine_and_output_is_unchanged(engine, 
     """The engine's clock is scripted: a target forward takes 1 s, any drafting 5 s, so drafts never pay."""
     clock = FakeClock()
     monkeypatch.setattr("specdecode.engine.perf_counter", clock)
+    monkeypatch.setattr("specdecode.request_stream.perf_counter", clock)  # the request's total time
     forward = engine._forward
 
     def timed_forward(seq, inputs, logits_at=None):

@@ -58,6 +58,14 @@ class KVCache:
         used = max(self.lengths) + new
         return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
 
+    def layer_views(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each sequence's keys and values of `layer`, [Hkv, S, D] views (what a fused layer writes and reads)."""
+        return list(self.keys[layer].unbind(0)), list(self.values[layer].unbind(0))
+
+    def key_positions(self, used: int) -> torch.Tensor:
+        """[B, used] the position each of the first `used` slots was written for."""
+        return self.positions[:, :used]
+
     def record_positions(self, positions: torch.Tensor) -> None:
         """positions [B, T] of the tokens about to be written."""
         new = positions.shape[1]
@@ -97,3 +105,59 @@ class KVCache:
         self.values[:, batch_index, :, dest] = self.values[:, batch_index, :, keep_slots]
         self.positions[batch_index, dest] = self.positions[batch_index, keep_slots]
         self.lengths[batch_index] = start + n
+
+
+class CacheBatch:
+    """Several sequences' own caches (batch 1 each, any capacities) seen as one batch by a target forward.
+
+    A batched step joins whatever caches its sequences hold, so each keeps a cache sized to its own request and
+    nothing is copied between steps. The fused w4a8 layers read each sequence's tensors in place; the PyTorch
+    layers get the slots a forward may see stacked into one padded copy (`write`).
+    """
+
+    def __init__(self, caches: list[KVCache]):
+        if any(cache.batch_size != 1 for cache in caches):
+            raise ValueError("a cache batch joins single-sequence caches")
+        self.caches = caches
+
+    @property
+    def lengths(self) -> list[int]:
+        return [cache.lengths[0] for cache in self.caches]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.caches)
+
+    def check_room(self, new_tokens: int) -> None:
+        for cache in self.caches:
+            cache.check_room(new_tokens)
+
+    def layer_views(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [cache.keys[layer, 0] for cache in self.caches], [cache.values[layer, 0] for cache in self.caches]
+
+    def key_positions(self, used: int) -> torch.Tensor:
+        """[B, used]; slots past a sequence's capacity read as position 0 (no query ever sees them)."""
+        rows = [cache.positions[0, :used] for cache in self.caches]
+        return torch.stack([torch.nn.functional.pad(row, (0, used - row.numel())) for row in rows])
+
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """positions [B, T] of the tokens about to be written."""
+        for b, cache in enumerate(self.caches):
+            cache.record_positions(positions[b : b + 1])
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As KVCache.write; the slots a query may see come back stacked [B, Hkv, S_used, D] (zeros past a
+        sequence's own slots, which the attention mask hides)."""
+        new = keys.shape[2]
+        used = max(self.lengths) + new
+        seen_keys, seen_values = [], []
+        for b, cache in enumerate(self.caches):
+            k, v = cache.write(layer, keys[b : b + 1], values[b : b + 1])  # [1, Hkv, S_b, D] each
+            pad = (0, 0, 0, used - k.shape[2])
+            seen_keys.append(torch.nn.functional.pad(k, pad))
+            seen_values.append(torch.nn.functional.pad(v, pad))
+        return torch.cat(seen_keys), torch.cat(seen_values)
+
+    def advance(self, new_tokens: int) -> None:
+        for cache in self.caches:
+            cache.advance(new_tokens)

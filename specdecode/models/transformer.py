@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
 
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, 1, T, D/2]
         sin: torch.Tensor,  # [B, 1, T, D/2]
-        cache: KVCache,
+        cache: KVCache | CacheBatch,
         layer: int,
         mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
     ) -> torch.Tensor:
@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, T, hidden] the residual stream
         cos: torch.Tensor,  # [B, 1, T, D/2]
         sin: torch.Tensor,  # [B, 1, T, D/2]
-        cache: KVCache,
+        cache: KVCache | CacheBatch,
         index: int,  # this layer's index in the cache
         mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
     ) -> torch.Tensor:
@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
-        cache: KVCache,
+        cache: KVCache | CacheBatch,  # one batch of caches, or several sequences each with its own
         # [B, T, R+T] bool: which of the last R cached slots and of the new tokens each new token may see (the
         # earlier past is always visible; R = 0 for a tree of new tokens); None = causal
         attn_mask: torch.Tensor | None = None,
@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         return ForwardOutput(logits, hidden)
 
 
-def attention_mask(positions: torch.Tensor, cache: KVCache, tree: torch.Tensor | None,
+def attention_mask(positions: torch.Tensor, cache: KVCache | CacheBatch, tree: torch.Tensor | None,
                    window: int | None = None) -> torch.Tensor | None:
     """[B, 1, T, S] bool over the slots a query may see: all earlier slots plus its own new tokens.
 
@@ -248,8 +248,7 @@ def attention_mask(positions: torch.Tensor, cache: KVCache, tree: torch.Tensor |
         tree_cols = tree.gather(2, column.clamp(0, covered - 1).expand(batch, new, used))  # [B, T, S]
         visible = (column < 0) | (in_mask & tree_cols)
     if needs_window:
-        key_positions = cache.positions[:, :used].unsqueeze(1)  # [B, 1, S], new slots filled below
-        key_positions = key_positions.clone()
+        key_positions = cache.key_positions(used).unsqueeze(1).clone()  # [B, 1, S], new slots filled below
         for b, start in enumerate(cache.lengths):
             key_positions[b, 0, start : start + new] = positions[b]
         visible = visible & (key_positions > positions.unsqueeze(2) - window)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel
 from specdecode.models.transformer import DecoderLayer, Transformer
 
@@ -36,11 +36,11 @@ class W4A8DecoderLayer(DecoderLayer):
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp
         self.kernel_layer = kernel_layer  # the compiled layer: it holds the weights' packed tensors
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, index: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch,
+                index: int, mask: torch.Tensor | None) -> torch.Tensor:
         # The residual stream stays float32 between fused layers (a no-op after the first one).
-        return self.kernel_layer.forward(x.float(), cache.keys[index], cache.values[index], cache.lengths, cos,
-                                         sin, mask)
+        keys, values = cache.layer_views(index)  # one [Hkv, S, D] tensor each per sequence
+        return self.kernel_layer.forward(x.float(), keys, values, cache.lengths, cos, sin, mask)
 
     def unfused(self) -> DecoderLayer:
         """The same weights run by the PyTorch layer (for comparisons)."""

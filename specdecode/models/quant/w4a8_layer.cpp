@@ -80,19 +80,28 @@ class W4A8DecoderLayer {
     if (k_norm.has_value()) k_norm_ = floats(*k_norm);
   }
 
-  // x [B, T, hidden] float32; keys, values [B, Hkv, capacity, D] (this layer's cache, float32 or bfloat16);
-  // starts [B]: each sequence's cached length, where its T new slots go; cos, sin [B, 1, T, D/2] float32;
-  // visible [B, 1, T, S] bool (None: causal over the new tokens, every cached slot visible) -> [B, T, hidden].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor keys, torch::Tensor values, std::vector<int64_t> starts,
-                        torch::Tensor cos, torch::Tensor sin, c10::optional<torch::Tensor> visible) {
+  // x [B, T, hidden] float32; keys[b], values[b] [Hkv, capacity_b, D]: sequence b's cache for this layer
+  // (float32 or bfloat16; each sequence its own tensor and capacity); starts [B]: each sequence's cached length,
+  // where its T new slots go; cos, sin [B, 1, T, D/2] float32; visible [B, 1, T, S] bool (None: causal over the
+  // new tokens, every cached slot visible; it never marks a slot at or past starts[b] + T) -> [B, T, hidden].
+  torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                        std::vector<int64_t> starts, torch::Tensor cos, torch::Tensor sin,
+                        c10::optional<torch::Tensor> visible) {
     TORCH_CHECK(x.dim() == 3 && x.size(2) == hidden_ && x.scalar_type() == torch::kFloat && x.is_contiguous(),
                 "x: [B, T, hidden] contiguous float32");
     const int64_t batch = x.size(0), new_tokens = x.size(1), rows = batch * new_tokens;
-    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == batch && keys.size(1) == kv_heads_ && keys.size(3) == dim_ &&
-                keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
-                values.scalar_type() == keys.scalar_type(), "keys, values: [B, Hkv, capacity, D] contiguous");
-    TORCH_CHECK((int64_t)starts.size() == batch, "one start per sequence");
-    for (int64_t start : starts) TORCH_CHECK(start >= 0 && start + new_tokens <= keys.size(2), "cache full");
+    TORCH_CHECK((int64_t)keys.size() == batch && (int64_t)values.size() == batch && (int64_t)starts.size() == batch,
+                "one cache and one start per sequence");
+    std::vector<int64_t> capacities(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      const torch::Tensor& k = keys[b];
+      TORCH_CHECK(k.dim() == 3 && k.size(0) == kv_heads_ && k.size(2) == dim_ && k.is_contiguous() &&
+                  values[b].sizes() == k.sizes() && values[b].is_contiguous() &&
+                  values[b].scalar_type() == k.scalar_type() && k.scalar_type() == keys[0].scalar_type(),
+                  "keys[b], values[b]: [Hkv, capacity, D] contiguous, one dtype");
+      capacities[b] = k.size(1);
+      TORCH_CHECK(starts[b] >= 0 && starts[b] + new_tokens <= capacities[b], "cache full");
+    }
     for (const auto& t : {cos, sin}) {
       TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == rows * dim_ / 2,
                   "cos, sin: [B, 1, T, D/2] contiguous float32");
@@ -101,7 +110,7 @@ class W4A8DecoderLayer {
     if (visible.has_value()) {
       mask = visible->contiguous();
       TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 4 && mask.size(0) == batch &&
-                  mask.size(2) == new_tokens && mask.size(3) <= keys.size(2), "visible: [B, 1, T, S] bool");
+                  mask.size(2) == new_tokens, "visible: [B, 1, T, S] bool");
     }
 
     torch::Tensor out = x.clone();  // [B, T, hidden]: the residual stream
@@ -113,13 +122,14 @@ class W4A8DecoderLayer {
     rms_norm(residual, rows, hidden_, attn_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
     w4a8_rows(normed.data_ptr<float>(), rows, qkv_, qkv.data_ptr<float>());
     position_heads(qkv.data_ptr<float>(), rows, cos.data_ptr<float>(), sin.data_ptr<float>());
-    if (keys.scalar_type() == torch::kFloat) {
-      attend<float>(qkv.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(2), starts,
-                    new_tokens, mask, attended.data_ptr<float>());
+    if (keys[0].scalar_type() == torch::kFloat) {
+      attend<float>(qkv.data_ptr<float>(), cache_pointers<float>(keys), cache_pointers<float>(values), capacities,
+                    starts, new_tokens, mask, attended.data_ptr<float>());
     } else {
-      TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "the cache must be float32 or bfloat16");
-      attend<c10::BFloat16>(qkv.data_ptr<float>(), keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(),
-                            keys.size(2), starts, new_tokens, mask, attended.data_ptr<float>());
+      TORCH_CHECK(keys[0].scalar_type() == torch::kBFloat16, "the cache must be float32 or bfloat16");
+      attend<c10::BFloat16>(qkv.data_ptr<float>(), cache_pointers<c10::BFloat16>(keys),
+                            cache_pointers<c10::BFloat16>(values), capacities, starts, new_tokens, mask,
+                            attended.data_ptr<float>());
     }
     w4a8_rows(attended.data_ptr<float>(), rows, o_, projected.data_ptr<float>());
     add_into(residual, projected.data_ptr<float>(), rows * hidden_);
@@ -135,6 +145,13 @@ class W4A8DecoderLayer {
 
  private:
   static torch::Tensor floats(const torch::Tensor& t) { return t.detach().to(torch::kFloat).contiguous(); }
+
+  template <typename C>
+  static std::vector<C*> cache_pointers(const std::vector<torch::Tensor>& caches) {
+    std::vector<C*> pointers;
+    for (const torch::Tensor& t : caches) pointers.push_back(t.data_ptr<C>());
+    return pointers;
+  }
 
   static void add_into(float* target, const float* addend, int64_t n) {
     for (int64_t i = 0; i < n; ++i) target[i] += addend[i];
@@ -153,21 +170,22 @@ class W4A8DecoderLayer {
     }
   }
 
-  // Writes the new keys and values into the cache, then each row attends its visible slots in ascending
-  // order: scores, softmax, weighted values, per query head; threads split (row, kv head) pairs.
+  // Writes the new keys and values into each sequence's cache, then each row attends its visible slots in
+  // ascending order: scores, softmax, weighted values, per query head; threads split (row, kv head) pairs.
   template <typename C>
-  void attend(const float* qkv, C* keys, C* values, int64_t capacity, const std::vector<int64_t>& starts,
-              int64_t new_tokens, const torch::Tensor& mask, float* out) const {
+  void attend(const float* qkv, const std::vector<C*>& keys, const std::vector<C*>& values,
+              const std::vector<int64_t>& capacities, const std::vector<int64_t>& starts, int64_t new_tokens,
+              const torch::Tensor& mask, float* out) const {
     const int64_t width = (heads_ + 2 * kv_heads_) * dim_, rows = (int64_t)starts.size() * new_tokens;
     const int64_t group = heads_ / kv_heads_;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r / new_tokens, slot = starts[b] + r % new_tokens;
       for (int64_t g = 0; g < kv_heads_; ++g) {
-        const int64_t at = ((b * kv_heads_ + g) * capacity + slot) * dim_;
+        const int64_t at = (g * capacities[b] + slot) * dim_;
         const float* k = qkv + r * width + (heads_ + g) * dim_;
         for (int64_t d = 0; d < dim_; d += 16) {
-          store_cache(keys + at + d, load16(k + d));
-          store_cache(values + at + d, load16(k + kv_heads_ * dim_ + d));
+          store_cache(keys[b] + at + d, load16(k + d));
+          store_cache(values[b] + at + d, load16(k + kv_heads_ * dim_ + d));
         }
       }
     }
@@ -196,9 +214,9 @@ class W4A8DecoderLayer {
             }
           }
         };
-        const int64_t kv_offset = (b * kv_heads_ + g) * capacity * dim_;
+        const int64_t kv_offset = g * capacities[b] * dim_;
         const float* query = qkv + r * width + g * group * dim_;
-        gather(keys + kv_offset);
+        gather(keys[b] + kv_offset);
         for (int64_t h = 0; h < group; ++h) {
           for (int64_t i = 0; i < n; ++i) {
             probs[h * padded + i] = dot(query + h * dim_, seen_rows.data() + i * dim_, dim_) * scale;
@@ -213,7 +231,7 @@ class W4A8DecoderLayer {
           totals[h] = 0.f;
           for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
         }
-        gather(values + kv_offset);
+        gather(values[b] + kv_offset);
         for (int64_t h = 0; h < group; ++h) {
           float* target = out + r * heads_ * dim_ + (g * group + h) * dim_;
           weighted_rows(probs.data() + h * padded, seen_rows.data(), n, dim_, 1.f / totals[h], target);

@@ -1,0 +1,101 @@
+"""Speculation that knows the load: in a batched step, how many tokens each sequence may draft.
+
+A batch of n sequences each drafting k tokens runs n(k+1) rows through the target (shorter proposals are
+padded to the longest). On a CPU a forward's time grows with its rows, slowly while the weights' stream
+dominates and steeply once the batch alone keeps the cores busy; from there drafts cost more than they return.
+Each batched step picks the one draft length k (0 = plain batching) that maximises the expected committed
+tokens per second,
+
+    rate(k) = sum_i (1 + a_i + a_i^2 + ... + a_i^min(k, w_i)) / (forward(rows(k)) + sum_i min(k, w_i) d_i),
+
+from online estimates: a forward's seconds by its rows (every step measures one), each sequence's acceptance a_i
+per drafted position (accepted positions over tried ones: a geometric model) and its drafting seconds per drafted
+token d_i; w_i is what the sequence's own draft length asks. A row count never measured is interpolated between
+measured ones; below the smallest it is taken to scale down in proportion and above the largest to stay flat,
+both hopeful, so that an unmeasured choice gets tried once and measured rather than assumed away. This is
+vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, and it never falls below plain
+batching for long: plain batching is one of the choices, scored on the same clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass
+
+from specdecode.spec_types import Sequence
+
+SMOOTHING = 0.2  # weight of the newest measurement in each running estimate
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new sequence's acceptance starts at 1/2, worth two tried positions
+
+
+@dataclass
+class _SequenceEstimate:
+    accepted: float = PRIOR_ACCEPTED  # drafted positions the target accepted
+    tried: float = PRIOR_TRIED  # drafted positions verified, up to and including the first rejection
+    draft_seconds_per_token: float | None = None  # None: never drafted yet
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
+
+
+class BatchDraftBudget:
+    """One Engine's estimates; `draft_cap` before a batched step, `observe_*` after it."""
+
+    def __init__(self) -> None:
+        self.forward_seconds: dict[int, float] = {}  # rows -> running mean of a forward's seconds
+        self._sequences: weakref.WeakKeyDictionary[Sequence, _SequenceEstimate] = weakref.WeakKeyDictionary()
+
+    def draft_cap(self, seqs: list[Sequence], wanted: list[int]) -> int:
+        """The draft length every sequence of this batched step is held to (0: plain batching)."""
+        best_k, best_rate = 0, -1.0
+        for k in range(max(wanted, default=0) + 1):
+            allowed = [min(k, w) for w in wanted]
+            rows = len(seqs) * (1 + max(seq.drafter.max_nodes(a) if a else 0 for seq, a in zip(seqs, allowed)))
+            tokens, drafting = 0.0, 0.0
+            for seq, a in zip(seqs, allowed):
+                estimate = self._estimate(seq)
+                tokens += sum(estimate.acceptance ** j for j in range(a + 1))
+                drafting += a * (estimate.draft_seconds_per_token or 0.0)
+            seconds = self.forward_estimate(rows) + drafting
+            rate = tokens / seconds if seconds > 0 else float("inf")
+            if rate > best_rate:  # ties keep the shorter draft
+                best_k, best_rate = k, rate
+        return best_k
+
+    def forward_estimate(self, rows: int) -> float:
+        """Seconds of a target forward over `rows` rows, from the measured ones (0 before any)."""
+        measured = sorted(self.forward_seconds)
+        if not measured:
+            return 0.0
+        at = bisect.bisect_left(measured, rows)
+        if at < len(measured) and measured[at] == rows:
+            return self.forward_seconds[rows]
+        if at == 0:  # fewer rows than ever measured: hopefully proportional
+            return self.forward_seconds[measured[0]] * rows / measured[0]
+        if at == len(measured):  # more rows than ever measured: hopefully no dearer
+            return self.forward_seconds[measured[-1]]
+        low, high = measured[at - 1], measured[at]
+        share = (rows - low) / (high - low)
+        return self.forward_seconds[low] + share * (self.forward_seconds[high] - self.forward_seconds[low])
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        known = self.forward_seconds.get(rows)
+        self.forward_seconds[rows] = seconds if known is None else known + SMOOTHING * (seconds - known)
+
+    def observe_sequence(self, seq: Sequence, budget: int, accepted: int, draft_seconds: float) -> None:
+        """After a step that let `seq` draft `budget` tokens, `accepted` of which the target kept. A proposal
+        shorter than its budget (or none) counts as a rejection at its end: what the drafter failed to offer."""
+        if budget == 0:
+            return
+        estimate = self._estimate(seq)
+        estimate.accepted += accepted
+        estimate.tried += accepted + (1 if accepted < budget else 0)
+        per_token, known = draft_seconds / budget, estimate.draft_seconds_per_token
+        estimate.draft_seconds_per_token = per_token if known is None else known + SMOOTHING * (per_token - known)
+
+    def _estimate(self, seq: Sequence) -> _SequenceEstimate:
+        if seq not in self._sequences:
+            self._sequences[seq] = _SequenceEstimate()
+        return self._sequences[seq]
