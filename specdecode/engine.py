@@ -160,18 +160,33 @@ class Engine:
         asked = event.logprobs is not None
         return GenerationResult("".join(text), ids, event.finish_reason, event.stats, logprobs if asked else None)
 
+    def request_cache_bytes(self, prompt_len: int, sampling: SamplingParams, spec: SpecConfig) -> int:
+        """What `start` will allocate for a request's target KV cache (a server budgets memory with it)."""
+        slots = self._cache_slots(prompt_len, sampling, self.drafter(spec), spec)
+        config = self.target.model.config
+        per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.target.model.dtype.itemsize
+        return slots * (per_slot + 8)  # + each slot's int64 position
+
+    def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
+        """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
+        capacity = min(self.context_limit, prompt_len + sampling.max_tokens)
+        return capacity + drafter.max_nodes(self._draft_length(drafter, spec).maximum)
+
+    @staticmethod
+    def _draft_length(drafter: Drafter, spec: SpecConfig) -> DraftLength:
+        block = drafter.caps.block_size  # a block drafter's length is its block, cut by the token budget only
+        return DraftLength(block - 1, False) if block else DraftLength(spec.num_draft_tokens, spec.adaptive)
+
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig) -> Sequence:
         """A new request: prefill the target (and the drafter), sample the first token."""
         began = perf_counter()
         drafter = self.drafter(spec)
         capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
-        block = drafter.caps.block_size  # a block drafter's length is its block, cut by the token budget only
-        draft_length = DraftLength(block - 1, False) if block else DraftLength(spec.num_draft_tokens, spec.adaptive)
+        draft_length = self._draft_length(drafter, spec)
         generator = torch.Generator(device=self.target.model.device)
         generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
-        # Slots beyond the capacity hold a step's proposed nodes until the rejected ones are dropped.
-        cache = self.target.model.new_cache(capacity + drafter.max_nodes(draft_length.maximum))
+        cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec))
         eos = frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids
         guard = SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts)
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)

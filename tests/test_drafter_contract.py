@@ -19,6 +19,7 @@ from conftest import TINY_VOCAB, save_tiny_model
 from eagle3_reference import head_config, random_head, write_head
 from dflash_drafters import write_random_dflash
 from mtp_reference import add_mtp_layers
+from batched_runs import run_batched
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -183,3 +184,19 @@ def test_one_engine_serves_interleaved_requests(engine, method, options):
         assert seq.tokens[seq.prompt_len:][:MAX_TOKENS] == alone[prompt]
         engine.finish(seq)
         assert not seq.drafter_state, "finish must drop the request's drafter state"
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_batched_steps_on_a_w4a8_target_equal_each_request_alone(w4a8_engine, monkeypatch, method, options):
+    """Requests verified together in one forward (as the server batches them), joining and leaving mid-batch,
+    next to plain requests and requests of another method: each output is bitwise what it is alone. The load
+    budget is held open (every sequence drafts what it asks), so that drafts are verified in batches."""
+    monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    spec = SpecConfig(method, num_draft_tokens=3, options=options)
+    others = [SpecConfig("none"), SpecConfig("ngram", num_draft_tokens=2)]
+    requests = [(p, greedy(8 + 6 * i), spec) for i, p in enumerate(PROMPTS)]
+    requests += [(p, greedy(12), others[i % 2]) for i, p in enumerate(PROMPTS[:2])]
+    alone = [w4a8_engine.complete(*request).token_ids for request in requests]
+    batched, shapes = run_batched(w4a8_engine, requests)
+    assert batched == alone
+    assert any(batch > 1 and rows > 1 for batch, rows in shapes), "no batch verified a draft"

@@ -50,6 +50,23 @@ def spec_from_vllm(config_json: str, base: SpecConfig) -> tuple[SpecConfig, str 
     return spec, config.get("model")
 
 
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2G', '512M', '1.5G' or a number of bytes -> bytes (units are powers of 1024; a trailing B or iB is
+    allowed)."""
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1:] if cleaned[-1:] in SIZE_UNITS else ""
+    try:
+        size = float(cleaned[: len(cleaned) - len(unit)]) * SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2G, 512M or a number of bytes)") from None
+    if not 1 <= size < float(1 << 60):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"a size must be at least one byte, got {text!r}")
+    return int(size)
+
+
 def add_parser(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
     add_model_args(serve)
@@ -68,7 +85,16 @@ def add_parser(commands) -> None:
                        f"{', '.join(ROUTE_GROUPS)}, or none (default {','.join(DEFAULT_PUBLIC_ROUTES)}: the key "
                        "guards /v1, as in vLLM; keep /metrics from the network or name it out of this list)")
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
-    serve.add_argument("--max-active", type=int, default=8, help="requests generated concurrently (interleaved)")
+    serve.add_argument("--max-active", type=int, default=8,
+                       help="requests generated concurrently (batched or interleaved, see --batching)")
+    serve.add_argument("--batching", choices=("auto", "on", "off"), default="auto",
+                       help="verify every active request's drafts in one target forward per step (on), or step "
+                       "them one at a time (off); auto: on where the target is batch-invariant (w4a8 here), so "
+                       "each output is bitwise what it would be alone; a float target batched may differ at "
+                       "near-ties of its top two logits")
+    serve.add_argument("--kv-memory", type=parse_size,
+                       help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
+                       "that would not fit waits in the queue (default: no bound beyond --max-active)")
     serve.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those; then 429")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -105,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,
             max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-            shutdown_grace=args.shutdown_grace)
+            shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=args.kv_memory)
         port = listening.getsockname()[1]
         lossy = f", LOSSY relaxed acceptance {spec.relaxed}" if spec.relaxed else ""
         print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}{lossy}) on "

@@ -40,10 +40,12 @@ class ServerSettings:
     request_timeout: float = 600.0
     max_body_bytes: int = 1 << 20
     shutdown_grace: float = 10.0
+    batching: str = "auto"  # on, off, or auto: on where the target is batch-invariant (scheduler.py)
+    kv_memory: int | None = None  # bytes the active requests' KV caches may hold together; None: no bound
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    scheduler = Scheduler(engine, settings.max_active, settings.max_queued)
+    scheduler = Scheduler(engine, settings.max_active, settings.max_queued, settings.batching, settings.kv_memory)
     metrics = ServerMetrics()
     weights = {role: m.weights_bytes for role, m in (("target", engine.target), ("draft", engine.draft)) if m}
 
@@ -76,7 +78,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def prometheus() -> Response:
         head = engine.drafter_weights_bytes()
         body = metrics.render(*scheduler.load, weights | ({"drafter": head} if head else {}),
-                              engine.drafter_cache_bytes())
+                              engine.drafter_cache_bytes(), scheduler.kv_bytes, settings.kv_memory)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -95,6 +97,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def serve_generation(request: Request, schema, chat: bool):
         body = await read_body(request, schema, settings.max_body_bytes)
         job = build_job(engine, settings, body, chat)
+        try:
+            scheduler.check_fits(job)
+        except SpecDecodeError as error:
+            raise APIError(400, str(error), param=error.param) from None
         try:
             scheduler.submit(job)
         except QueueFull as error:

@@ -43,6 +43,10 @@ class ServerMetrics:
         self.drafter_caches = Gauge("specdecode_drafter_cache_bytes",
                                     "Memory of the drafters' caches that outlive requests (suffix's responses)",
                                     registry=self.registry)
+        self.kv_cache = Gauge("specdecode_kv_cache_bytes", "Memory the active requests' target KV caches hold",
+                              registry=self.registry)
+        self.kv_budget = Gauge("specdecode_kv_cache_budget_bytes",
+                               "The server's budget for those caches (--kv-memory; 0: none)", registry=self.registry)
         self.active = Gauge("specdecode_active_requests", "Requests being generated", registry=self.registry)
         self.queued = Gauge("specdecode_queued_requests", "Requests waiting for a slot", registry=self.registry)
 
@@ -61,8 +65,12 @@ class ServerMetrics:
         if stats.new_tokens > 1:
             self.time_per_output_token.observe((total - ttft) / (stats.new_tokens - 1))
 
-    def render(self, active: int, queued: int, weights: dict[str, int], drafter_caches: int) -> bytes:
-        """`weights`: model role -> bytes; `drafter_caches`: bytes of the caches that outlive requests."""
+    def render(self, active: int, queued: int, weights: dict[str, int], drafter_caches: int, kv_cache: int,
+               kv_budget: int | None) -> bytes:
+        """`weights`: model role -> bytes; `drafter_caches`: bytes of the caches that outlive requests;
+        `kv_cache`: bytes of the active requests' target KV caches, `kv_budget` their bound (None: none)."""
+        self.kv_cache.set(kv_cache)
+        self.kv_budget.set(kv_budget or 0)
         self.active.set(active)
         self.queued.set(queued)
         for role, size in weights.items():

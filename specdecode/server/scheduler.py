@@ -1,7 +1,13 @@
-"""One worker thread owns the models and interleaves every active request one speculative step at a time.
+"""One worker thread owns the models and steps every active request; the HTTP side talks to it through queues.
 
-Requests never share state (each has its own caches, drafter and random generator), so interleaving only
-changes latency, never output. The HTTP side talks to the worker through thread-safe queues.
+Batched (the default where the target is batch-invariant, i.e. w4a8): each tick is one `Engine.step_many`
+over all active requests, their verify rows in one target forward, so many users share each pass over the
+weights and the draft length shrinks as the batch grows (batch_budget.py). Each request's output stays what
+it would be alone, bit for bit. Interleaved (`batching="off"`, and the default for float targets, whose
+matmuls round differently with more rows): one request's step at a time, as separate forwards.
+
+Every request's KV cache is sized to it (prompt + max_tokens) and counted against one memory budget
+(`kv_memory`): a request whose cache would not fit waits in the queue until enough ends, never fails for it.
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine import Engine, GenerationEvent
+from specdecode.engine import Engine
+from specdecode.models.quant.w4a8_decoder import batch_invariant
+from specdecode.request_stream import RequestStream
 from specdecode.errors import SpecDecodeError
 
 
@@ -46,11 +53,20 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_active: int = 8, max_queued: int = 64):
+    def __init__(self, engine: Engine, max_active: int = 8, max_queued: int = 64, batching: str = "auto",
+                 kv_memory: int | None = None):
+        """`batching`: on, off, or auto (on where the target is batch-invariant); `kv_memory`: bytes the active
+        requests' target KV caches may hold together (None: no bound beyond max_active)."""
         if max_active < 1 or max_queued < 1:
             raise SpecDecodeError(f"need at least one active and one queued request, got max_active={max_active} "
                                   f"max_queued={max_queued}")
+        if batching not in ("auto", "on", "off"):
+            raise SpecDecodeError(f"batching is auto, on or off, not {batching!r}")
+        if kv_memory is not None and kv_memory < 1:
+            raise SpecDecodeError(f"the KV memory budget must be positive, got {kv_memory} bytes")
         self.engine = engine
+        self.batching = batch_invariant(engine.target.model) if batching == "auto" else batching == "on"
+        self.kv_memory = kv_memory
         self.lock = threading.Lock()
         self.max_active = max_active
         self.max_queued = max_queued
@@ -58,7 +74,8 @@ class Scheduler:
         # finds every free active slot too, not only the queue (the worker moves jobs to slots when it polls).
         self.admitted = 0
         self.pending: queue.Queue[Job] = queue.Queue()
-        self.active: list[tuple[Job, Iterator[GenerationEvent]]] = []
+        self.waiting: Job | None = None  # taken from the queue, waiting for KV memory to free up
+        self.active: list[tuple[Job, RequestStream]] = []
         self.draining = False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
@@ -78,14 +95,29 @@ class Scheduler:
 
     @property
     def load(self) -> tuple[int, int]:
-        return len(self.active), self.pending.qsize()
+        return len(self.active), self.pending.qsize() + (self.waiting is not None)
+
+    def check_fits(self, job: Job) -> int:
+        """The bytes of the job's KV cache; a SpecDecodeError if they exceed the whole budget (the server answers
+        400 before queueing it)."""
+        need = self.engine.request_cache_bytes(len(job.prompt_ids), job.sampling, job.spec)
+        if self.kv_memory is not None and need > self.kv_memory:
+            raise SpecDecodeError(f"this request's KV cache needs {need / 2**20:.1f} MiB, more than the server's "
+                                  f"whole budget of {self.kv_memory / 2**20:.1f} MiB (--kv-memory); ask for fewer "
+                                  "max_tokens", "max_tokens")
+        return need
+
+    @property
+    def kv_bytes(self) -> int:
+        """Memory the active requests' target KV caches hold."""
+        return sum(stream.seq.cache.nbytes for _, stream in list(self.active))  # a copy: the worker edits it
 
     def shutdown(self, grace_seconds: float) -> None:
         """Stop taking requests, let in-flight ones finish within the grace period, then end the rest cleanly."""
         with self.lock:
             self.draining = True
         deadline = time.monotonic() + grace_seconds
-        while (self.active or not self.pending.empty()) and time.monotonic() < deadline:
+        while (self.active or self.waiting or not self.pending.empty()) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.stopped.set()
         self.thread.join(timeout=5)
@@ -93,17 +125,19 @@ class Scheduler:
     def _run(self) -> None:
         while not self.stopped.is_set():
             self._admit()
+            self._drop_ended()
             if not self.active:
                 continue
-            for entry in list(self.active):
-                self._advance(*entry)
-        for job, generator in self.active:
-            generator.close()
-            job.send(SpecDecodeError("the server shut down before this request finished"))
-            self._release()
-        self.active.clear()
-        while not self.pending.empty():  # still queued when the grace ran out: answer them too, or they hang
-            self.pending.get_nowait().send(SpecDecodeError("the server shut down before this request started"))
+            groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
+            for group in groups:
+                self._step(group)
+        for job, stream in self.active:
+            self._end(job, stream, SpecDecodeError("the server shut down before this request finished"))
+        queued = [self.waiting] if self.waiting is not None else []
+        while not self.pending.empty():
+            queued.append(self.pending.get_nowait())
+        for job in queued:  # still queued when the grace ran out: answer them too, or they hang
+            job.send(SpecDecodeError("the server shut down before this request started"))
             self._release()
 
     def _release(self) -> None:
@@ -111,13 +145,29 @@ class Scheduler:
         with self.lock:
             self.admitted -= 1
 
+    def _end(self, job: Job, stream: RequestStream, item=None) -> None:
+        """Take a request out of the active set, free its caches, and send `item` (an error) if any."""
+        self.engine.finish(stream.seq)
+        self.active.remove((job, stream))
+        if item is not None:
+            job.send(item)
+        self._release()
+
+    def _next_job(self) -> Job | None:
+        if self.waiting is not None:
+            return self.waiting
+        try:
+            # Block briefly only when idle, so an active batch never waits on the queue.
+            return self.pending.get(timeout=0.05) if not self.active else self.pending.get_nowait()
+        except queue.Empty:
+            return None
+
     def _admit(self) -> None:
         while len(self.active) < self.max_active:
-            try:
-                # Block briefly only when idle, so an active batch never waits on the queue.
-                job = self.pending.get(timeout=0.05) if not self.active else self.pending.get_nowait()
-            except queue.Empty:
+            job = self._next_job()
+            if job is None:
                 return
+            self.waiting = None
             if job.cancelled.is_set():
                 self._release()
                 continue
@@ -125,28 +175,39 @@ class Scheduler:
                 job.send(RequestTimeout("request timed out"))
                 self._release()
                 continue
-            generator = self.engine.generate(job.prompt_ids, job.sampling, job.spec)
-            self.active.append((job, generator))
+            try:
+                need = self.check_fits(job)
+                if self.kv_memory is not None and self.active and self.kv_bytes + need > self.kv_memory:
+                    self.waiting = job  # first in line when enough memory frees up
+                    return
+                stream = self.engine.open(job.prompt_ids, job.sampling, job.spec)
+            except SpecDecodeError as error:
+                job.send(error)
+                self._release()
+                continue
+            self.active.append((job, stream))
+            self._send(job, stream, stream.first_event())
 
-    def _advance(self, job: Job, generator: Iterator[GenerationEvent]) -> None:
-        """One step of one request: the unit of fairness between concurrent streams."""
-        finished = True
-        try:
+    def _drop_ended(self) -> None:
+        """Requests whose client went away or whose time ran out leave before the next step."""
+        for job, stream in list(self.active):
             if job.cancelled.is_set():
-                pass  # the client went away: drop its state without another step
+                self._end(job, stream)
             elif time.monotonic() > job.deadline:
-                job.send(RequestTimeout("request timed out"))
-            else:
-                event = next(generator)
-                job.send(event)
-                finished = event.finish_reason is not None
-        except SpecDecodeError as error:
-            job.send(error)
-        except StopIteration:
-            job.send(None)
-        except Exception as error:  # noqa: BLE001 - a bug in one request must not stop every other stream
-            job.send(error)
-        if finished:
-            generator.close()  # frees the request's KV caches
-            self.active.remove((job, generator))
-            self._release()
+                self._end(job, stream, RequestTimeout("request timed out"))
+
+    def _step(self, group: list[tuple[Job, RequestStream]]) -> None:
+        """One step of every request in `group`, in one batch: the unit of fairness between streams."""
+        try:
+            committed = self.engine.step_many([stream.seq for _, stream in group])
+        except Exception as error:  # noqa: BLE001 - end this batch's requests with the error; the server lives on
+            for job, stream in group:
+                self._end(job, stream, error)
+            return
+        for (job, stream), tokens in zip(group, committed):
+            self._send(job, stream, stream.event(tokens))
+
+    def _send(self, job: Job, stream: RequestStream, event) -> None:
+        job.send(event)
+        if event.finish_reason is not None:
+            self._end(job, stream)

@@ -1,0 +1,199 @@
+"""Batched steps (Engine.step_many, issue #20): padding several sequences' verify rows into one forward, caches
+joined without copies, the load-aware draft budget on scripted costs, seeded sampling in a batch, and the
+server's batched scheduler with its KV memory budget."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+from batched_runs import run_batched
+from conftest import save_tiny_model
+from test_server import MODEL, SETTINGS, assert_openai_error, running
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.batch_budget import BatchDraftBudget
+from specdecode.batched import forward_groups, padded_inputs
+from specdecode.models.kv_cache import CacheBatch
+from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_decoder import batch_invariant
+from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+from specdecode.server.app import create_app
+from specdecode.spec_types import DraftProposal
+from specdecode.tree import verify_inputs
+
+PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batching")
+    return (save_tiny_model(root / "target", "qwen2", scale=0.15),
+            save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01))
+
+
+@pytest.fixture(scope="module")
+def w4a8_engine(folders):
+    reason = w4a8_unavailable()
+    if reason is not None:
+        pytest.skip(f"w4a8 cannot run on this machine: {reason}")
+    return Engine(load_model(folders[0], dtype="bfloat16", quant="w4a8"), load_model(folders[1], dtype="float32"))
+
+
+def test_padded_inputs_put_each_sequence_first_and_pad_causally():
+    chain = verify_inputs(7, DraftProposal.chain([1, 2, 3]), 10, "cpu")  # 4 rows
+    tree = verify_inputs(7, DraftProposal(torch.tensor([4, 5]), torch.tensor([-1, -1])), 20, "cpu")  # 3 rows
+    plain = verify_inputs(7, DraftProposal.empty(), 5, "cpu")  # 1 row
+    batch = padded_inputs([chain, tree, plain])
+    assert batch.tokens.tolist() == [[7, 1, 2, 3], [7, 4, 5, 0], [7, 0, 0, 0]]
+    assert batch.positions.tolist() == [[10, 11, 12, 13], [20, 21, 21, 20], [5, 5, 5, 5]]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(batch.mask[0], causal) and torch.equal(batch.mask[2], causal)
+    assert torch.equal(batch.mask[1, :3, :3], tree.mask[0])  # the tree's own ancestor mask
+    assert batch.mask[1, 3].tolist() == [True, True, True, True]  # its padding row sees what a causal row does
+    assert padded_inputs([chain, plain]).mask is None  # chains only: causal, no mask needed
+
+
+def test_forward_groups_leave_a_sequence_without_room_for_the_padding_alone():
+    # Sequence 1 has room for its own 2 rows but not for the 4 the longest brings.
+    assert forward_groups([10, 50, 0], [4, 2, 1], [100, 52, 64]) == [[0, 2], [1]]
+    assert forward_groups([10, 50], [4, 2], [100, 60]) == [[0, 1]]
+
+
+def forward_alone_and_batched(model, prompts: list[list[int]], capacities: list[int]):
+    """Each prompt prefilled in its own cache (of its own capacity), then one more row each: alone, and in one
+    batched forward over the joined caches. -> (alone logits [B, V], batched logits [B, V], both cache sets)."""
+    def prefilled():
+        caches = [model.new_cache(capacity) for capacity in capacities]
+        for ids, cache in zip(prompts, caches):
+            model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache)
+        return caches
+
+    with torch.inference_mode():
+        alone_caches, batched_caches = prefilled(), prefilled()
+        alone = torch.cat([model(torch.tensor([[9]]), torch.tensor([[len(ids)]]), cache).logits[0]
+                           for ids, cache in zip(prompts, alone_caches)])
+        positions = torch.tensor([[len(ids)] for ids in prompts])  # [B, 1]
+        batched = model(torch.full((len(prompts), 1), 9), positions, CacheBatch(batched_caches)).logits[:, 0]
+    return alone, batched, alone_caches, batched_caches
+
+
+PROMPT_IDS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+def test_w4a8_batched_forward_over_caches_of_different_capacities_is_bitwise_each_alone(w4a8_engine):
+    model = w4a8_engine.target.model
+    assert batch_invariant(model)
+    alone, batched, alone_caches, batched_caches = forward_alone_and_batched(model, PROMPT_IDS, [16, 40, 24])
+    assert torch.equal(alone, batched)
+    for ours, theirs in zip(batched_caches, alone_caches):
+        assert ours.lengths == theirs.lengths and torch.equal(ours.keys, theirs.keys)
+
+
+def test_float_batched_forward_stacks_the_caches_and_computes_the_same_logits(folders):
+    model = load_model(folders[0], dtype="float32").model
+    assert not batch_invariant(model)
+    alone, batched, alone_caches, batched_caches = forward_alone_and_batched(model, PROMPT_IDS, [16, 40, 24])
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)  # float matmuls round with the row count
+    for ours, theirs in zip(batched_caches, alone_caches):
+        assert ours.lengths == theirs.lengths
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+
+
+class Scripted:
+    """A sequence as the budget sees it: a drafter whose proposals are chains."""
+
+    class drafter:
+        @staticmethod
+        def max_nodes(k: int) -> int:
+            return k
+
+
+def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: list, draft_seconds: float = 0.0):
+    budget = BatchDraftBudget()
+    budget.forward_seconds.update(forward_seconds)
+    for seq in seqs:  # 100 steps of 4 drafted tokens each, accepted at `acceptance` per position
+        for _ in range(100):
+            budget.observe_sequence(seq, 4, 0, draft_seconds)
+        budget._estimate(seq).accepted, budget._estimate(seq).tried = acceptance * 100, 100.0
+    return budget
+
+
+def test_budget_drafts_fully_while_rows_are_nearly_free_and_stops_where_the_target_is_compute_bound():
+    seqs = [Scripted() for _ in range(4)]
+    memory_bound = {rows: 0.030 + 0.0002 * rows for rows in (4, 8, 12, 16, 20)}  # weights' stream dominates
+    assert trained_budget(memory_bound, 0.7, seqs).draft_cap(seqs, [4] * 4) == 4
+    compute_bound = {rows: 0.010 * rows for rows in (4, 8, 12, 16, 20)}  # every row costs as much as a step
+    assert trained_budget(compute_bound, 0.7, seqs).draft_cap(seqs, [4] * 4) == 0
+    # In between, the length where one more token's acceptance stops paying for its rows.
+    rising = {rows: 0.030 + 0.004 * rows for rows in (4, 8, 12, 16, 20)}
+    assert trained_budget(rising, 0.6, seqs).draft_cap(seqs, [4] * 4) == 1
+    assert trained_budget(rising, 0.95, seqs).draft_cap(seqs, [4] * 4) == 4
+    # Drafting's own cost counts: a draft model at 50 ms a token does not pay even with free rows.
+    assert trained_budget(memory_bound, 0.7, seqs, draft_seconds=4 * 0.05).draft_cap(seqs, [4] * 4) == 0
+    # Never more than a sequence asks for.
+    assert trained_budget(memory_bound, 0.7, seqs).draft_cap(seqs, [2, 1, 0, 2]) == 2
+
+
+def test_budget_tries_what_it_has_not_measured_then_settles_on_what_pays():
+    seqs = [Scripted() for _ in range(4)]
+    budget = BatchDraftBudget()
+    cost = {rows: 0.010 * rows for rows in range(1, 21)}  # compute-bound: drafts never pay at acceptance 1/2
+    chosen = []
+    for _ in range(6):
+        k = budget.draft_cap(seqs, [4] * 4)
+        chosen.append(k)
+        budget.observe_forward(4 * (1 + k), cost[4 * (1 + k)])
+    assert chosen[:2] == [0, 4] and chosen[2:] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+def test_seeded_sampling_in_a_batch_equals_each_request_alone(w4a8_engine, monkeypatch, method):
+    """With every sequence drafting what it would alone (the budget held open, no speed guard), the random
+    draws are the same, so a seeded request samples the same tokens batched as alone."""
+    monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    spec = SpecConfig(method, num_draft_tokens=3, guard=False)
+    requests = [(p, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True), spec)
+                for i, p in enumerate(PROMPTS)]
+    alone = [w4a8_engine.complete(*request).token_ids for request in requests]
+    batched, shapes = run_batched(w4a8_engine, requests, join_every=1)
+    assert batched == alone and max(batch for batch, _ in shapes) == len(PROMPTS)
+
+
+def test_batched_server_answers_like_single_requests_and_queues_on_its_kv_budget(w4a8_engine):
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "speculative": {"method": "ngram"}}
+    expected = {p: w4a8_engine.complete(p, sampling, SpecConfig("ngram"), raw=True).text for p in PROMPTS}
+    one_request = w4a8_engine.request_cache_bytes(len(w4a8_engine.encode(PROMPTS[0], raw=True)) + 8, sampling,
+                                                  SpecConfig("ngram"))
+    settings = replace(SETTINGS, kv_memory=2 * one_request + one_request // 2)  # room for two at a time
+    with running(create_app(w4a8_engine, settings)) as server:
+        scheduler = server.app.state.scheduler
+        assert scheduler.batching  # auto: a w4a8 target batches
+        most_active = []
+        watching = threading.Event()
+
+        def watch():
+            while not watching.is_set():
+                most_active.append(scheduler.load[0])
+                watching.wait(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(lambda p: server.post("/v1/completions", {**body, "prompt": p}), PROMPTS * 2))
+        watching.set()
+        watcher.join()
+        for prompt, (status, answer) in zip(PROMPTS * 2, answers):
+            assert status == 200 and answer["choices"][0]["text"] == expected[prompt]
+        assert max(most_active) == 2  # the budget held two at a time; the rest waited, none failed
+        assert server.metric("specdecode_kv_cache_budget_bytes") == settings.kv_memory
+        too_big = {**body, "prompt": PROMPTS[0], "max_tokens": 400}  # more than the whole budget
+        error = assert_openai_error(*server.post("/v1/completions", too_big), 400)
+        assert "KV cache needs" in error["message"] and error["param"] == "max_tokens"
+        assert json.loads(json.dumps(server.health()))["active"] == 0
