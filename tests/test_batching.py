@@ -197,3 +197,34 @@ def test_batched_server_answers_like_single_requests_and_queues_on_its_kv_budget
         error = assert_openai_error(*server.post("/v1/completions", too_big), 400)
         assert "KV cache needs" in error["message"] and error["param"] == "max_tokens"
         assert json.loads(json.dumps(server.health()))["active"] == 0
+
+
+def test_load_bench_runs_clients_concurrently_and_reports_percentiles(w4a8_engine, tmp_path):
+    from specdecode.bench.datasets import load_questions
+    from specdecode.bench.load import run_load_bench
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"question_id": i, "category": "t", "turns": [p]}) + "\n"
+                               for i, p in enumerate(PROMPTS * 2)))
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with running(create_app(w4a8_engine, SETTINGS)) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        peers = [f"openai={url},name=ours", f"openai={url},name=ours-plain,spec=none"]
+        results = run_load_bench(peers, load_questions([str(dataset)]), sampling, [1, 4], tmp_path)
+    assert [(r.server, r.concurrency) for r in results] == [("ours", 1), ("ours", 4), ("ours-plain", 1),
+                                                            ("ours-plain", 4)]
+    for r in results:
+        assert r.requests == 8 and r.failed == 0 and r.output_tokens > 8 and r.tokens_per_second > 0
+        assert set(r.ttft_ms) == set(r.itl_ms) == {"p50", "p90", "p99"}
+        assert r.ttft_ms["p50"] <= r.ttft_ms["p90"] <= r.ttft_ms["p99"]
+    assert json.loads((tmp_path / "results.json").read_text())[1]["concurrency"] == 4
+    assert "| ours-plain | 4 |" in (tmp_path / "report.md").read_text()
+
+
+def test_load_bench_without_a_server_is_one_clear_error(tmp_path, capsys):
+    from specdecode.cli.main import main
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"question_id": 1, "category": "t", "turns": ["hi"]}) + "\n")
+    assert main(["bench", "--dataset", str(dataset), "--concurrency", "1,2"]) != 0
+    assert "--concurrency loads servers" in capsys.readouterr().err

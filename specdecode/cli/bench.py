@@ -6,12 +6,23 @@ import argparse
 from pathlib import Path
 
 from specdecode.bench.datasets import load_questions
+from specdecode.bench.load import run_load_bench
 from specdecode.bench.suite import parse_methods, run_bench
 from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, auto_sources, draft_quant,
                                     draft_sources, load_models, sampling_from_args, spec_from_args)
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
+
+
+def concurrency_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of client counts: {text!r} (e.g. 1,2,4,8)") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"client counts must be >= 1, got {text!r}")
+    return values
 
 
 def add_parser(commands) -> None:
@@ -32,6 +43,10 @@ def add_parser(commands) -> None:
                        help="hf: Hugging Face transformers plain, assisted and prompt-lookup generation on the same "
                        "weights; openai=URL[,name=LABEL]: any OpenAI-compatible server (llama-server, vLLM, ours); "
                        "repeatable")
+    bench.add_argument("--concurrency", type=concurrency_list,
+                       help="load mode: run the --peer servers (no model loads here) with this many concurrent "
+                       "clients each, comma-separated (e.g. 1,2,4,8,16); a peer may add ',spec=METHOD' to send "
+                       "our server a per-request method (spec=none: plain decoding)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
     bench.add_argument("--out", help="folder for results.json, report.md and plots")
     add_model_args(bench)
@@ -54,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.dataset, args.limit, args.categories.split(",") if args.categories else None,
                                args.per_category)
     sampling = sampling_from_args(args)
+    if args.concurrency:
+        if not args.peer:
+            raise SpecDecodeError("--concurrency loads servers: name them with --peer openai=URL[,name=LABEL]")
+        run_load_bench(args.peer, questions, sampling, args.concurrency, out)
+        return 0
     wants_auto = "auto" in (label.partition(":")[0].strip() for label in args.methods.split(","))
     auto_chain = auto_sources(args).method if wants_auto else None  # its members' weights load once, below
     methods = parse_methods(args.methods, spec_from_args(args, has_draft=True), auto_chain)
