@@ -217,7 +217,7 @@ class Engine:
         began = perf_counter()
         wanted = [self._wanted(seq) for seq in seqs]
         cap = self.batch_budget.draft_cap(seqs, wanted) if len(seqs) > 1 else None
-        drafts = [self._propose(seq, want, cap) for seq, want in zip(seqs, wanted)]
+        drafts = self._propose(seqs, wanted, cap)
         proposed = perf_counter()
         outputs = self._verify_forwards(seqs, drafts)
         committed = [self._commit(seq, draft, out) for seq, draft, out in zip(seqs, drafts, outputs)]
@@ -238,17 +238,33 @@ class Engine:
         return min(seq.draft_length.current, room - 1)  # a step commits up to budget + 1 tokens
 
     @staticmethod
-    def _propose(seq: Sequence, wanted: int, cap: int | None) -> _StepDraft:
-        began = perf_counter()
-        if cap is None:
-            budget, withheld = seq.guard.budget(wanted)
-        else:
-            budget, withheld = min(wanted, cap), ("batch_load" if cap == 0 and wanted > 0 else None)
-        proposal = seq.drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(seq.drafter.name)
-        if proposal.size == 0 and seq.drafter.caps.drafts:
-            seq.stats.record_undrafted(withheld or ("no_room" if wanted <= 0 else "no_proposal"))
-        start = len(seq.tokens) - 1  # the root: the last committed token, not in the cache yet
-        return _StepDraft(proposal, budget, start, perf_counter() - began)
+    def _propose(seqs: list[Sequence], wanted: list[int], cap: int | None) -> list[_StepDraft]:
+        """Each sequence's budget (its guard alone, the load's cap in a batch), then the proposals, each drafter
+        asked once for all its sequences (its forwards may batch); a drafter's time is shared among them."""
+        budgets, reasons = [], []
+        for seq, want in zip(seqs, wanted):
+            if cap is None:
+                budget, withheld = seq.guard.budget(want)
+            else:
+                budget, withheld = min(want, cap), ("batch_load" if cap == 0 and want > 0 else None)
+            budgets.append(budget)
+            reasons.append(withheld or ("no_room" if want <= 0 else "no_proposal"))
+        drafts: list[_StepDraft | None] = [None] * len(seqs)
+        for drafter in {id(seq.drafter): seq.drafter for seq in seqs}.values():
+            members = [b for b, seq in enumerate(seqs) if seq.drafter is drafter]
+            began = perf_counter()
+            if len(members) == 1:  # alone: the drafter's own propose
+                seq, budget = seqs[members[0]], budgets[members[0]]
+                proposals = [drafter.propose(seq, budget) if budget > 0 else DraftProposal.empty(drafter.name)]
+            else:
+                proposals = drafter.propose_many([seqs[b] for b in members], [budgets[b] for b in members])
+            seconds = (perf_counter() - began) / len(members)
+            for b, proposal in zip(members, proposals):
+                if proposal.size == 0 and drafter.caps.drafts:
+                    seqs[b].stats.record_undrafted(reasons[b])
+                start = len(seqs[b].tokens) - 1  # the root: the last committed token, not in the cache yet
+                drafts[b] = _StepDraft(proposal, budgets[b], start, seconds)
+        return drafts
 
     def _commit(self, seq: Sequence, draft: _StepDraft, out: TargetOutput) -> list[int]:
         """Verify the sequence's proposal against its rows of the forward, keep the accepted path, commit."""

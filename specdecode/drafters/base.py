@@ -91,6 +91,12 @@ class Drafter:
         """At most `budget` tokens on any root-to-leaf path (the context and token budget allow no more)."""
         raise NotImplementedError
 
+    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Proposals for the requests of one batched step (a budget of 0: nothing). Each must be what `propose`
+        gives that request alone; a drafter whose forwards batch without changing a bit overrides this."""
+        return [self.propose(seq, budget) if budget > 0 else DraftProposal.empty(self.name)
+                for seq, budget in zip(seqs, budgets)]
+
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted
         path (the root, then each accepted node). `result.source` says whose proposal was verified."""

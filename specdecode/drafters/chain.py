@@ -48,6 +48,23 @@ class ChainDrafter(Drafter):
         seq.drafter_state[self.name] = (self.clock(), proposal_depth(proposal), proposal.size)
         return proposal
 
+    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """First wins, member by member over the whole batch, so that a member whose forwards batch (the draft
+        model) drafts for every request the earlier members left without a proposal at once."""
+        if self.chooser is not None:
+            return super().propose_many(seqs, budgets)
+        proposals = [DraftProposal.empty(self.members[-1].name) for _ in seqs]
+        waiting = [i for i, budget in enumerate(budgets) if budget > 0]
+        for member in self.members:
+            if not waiting:
+                break
+            offered = member.propose_many([seqs[i] for i in waiting], [budgets[i] for i in waiting])
+            for i, proposal in zip(waiting, offered):
+                if proposal.size:
+                    proposals[i] = proposal
+            waiting = [i for i, proposal in zip(waiting, offered) if not proposal.size]
+        return proposals
+
     def _best(self, seq: Sequence, budget: int) -> DraftProposal:
         """Deterministic members propose now (judged on their proposal); sampling members are judged on their
         estimates and asked only if chosen, so their random drafts never influence whether they are used."""

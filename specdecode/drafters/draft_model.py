@@ -17,8 +17,10 @@ from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, opt
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kv_cache import KVCache
+from specdecode.batched import forward_groups
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.loader import LoadedModel
+from specdecode.models.quant.w4a8_decoder import batch_invariant
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -77,6 +79,10 @@ class DraftModelDrafter(Drafter):
         # The prompt now, in the prefill phase; the first generated token comes with the first proposal.
         self._feed(seq, cache, logits_at=slice(0, 0), upto=seq.prompt_len)
 
+    @property
+    def batch_invariant(self) -> bool:
+        return batch_invariant(self.draft.model)
+
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         cache = seq.drafter_state[self.name]
         logits = self._catch_up(seq, cache)  # [V]
@@ -92,31 +98,63 @@ class DraftModelDrafter(Drafter):
         cache.truncate(min(cache.lengths[0], len(seq.tokens) - 1))
 
     def _chain(self, seq: Sequence, cache: KVCache, logits: torch.Tensor, budget: int) -> DraftProposal:
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        model = self.draft.model
-        p_min = self.options.draft_p_min
-        for i in range(budget):
-            if seq.sampling.greedy:
-                token = int(logits.argmax())
-                confidence = torch.softmax(logits, dim=-1)[token] if p_min else None
-            else:
-                q = logits_to_probs(logits, seq.sampling)  # [V]: the law the draft token is drawn from
-                token = int(sample(q, seq.generator))
-                confidence = q.max() if p_min else None
-                rows.append(q)
-            # llama.cpp's --draft-p-min: an unsure draft is likely rejected, so stop spending time on it.
-            if confidence is not None and confidence < p_min:
-                rows = rows[: len(tokens)]
+        return self._chains([seq], [cache], [logits], [budget])[0]
+
+    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Chains for several requests in shared forwards (one catch-up, then one per drafted position), when
+        the draft model is batch-invariant (w4a8), so each chain is what `propose` drafts alone; else one by one."""
+        if self.tree or not self.batch_invariant:
+            return super().propose_many(seqs, budgets)
+        asked = [b for b, budget in enumerate(budgets) if budget > 0]
+        caches = [seqs[b].drafter_state[self.name] for b in asked]
+        logits = self._catch_up_many([seqs[b] for b in asked], caches)
+        chains = self._chains([seqs[b] for b in asked], caches, logits, [budgets[b] for b in asked])
+        proposals = [DraftProposal.empty(self.name) for _ in seqs]
+        for b, chain in zip(asked, chains):
+            proposals[b] = chain
+        return proposals
+
+    def _chains(self, seqs: list[Sequence], caches: list[KVCache], logits: list[torch.Tensor],
+                budgets: list[int]) -> list[DraftProposal]:
+        """Autoregressive chains from each sequence's next-token logits [V]; the sequences still drafting share
+        each draft forward."""
+        model, p_min = self.draft.model, self.options.draft_p_min
+        tokens: list[list[int]] = [[] for _ in seqs]
+        rows: list[list[torch.Tensor]] = [[] for _ in seqs]  # the laws sampled drafts were drawn from, [V] each
+        drafting = list(range(len(seqs)))
+        for i in range(max(budgets, default=0)):
+            fed = []
+            for b in drafting:
+                token, q, confidence = self._draw(seqs[b], logits[b], bool(p_min))
+                # llama.cpp's --draft-p-min: an unsure draft is likely rejected, so stop spending time on it.
+                if confidence is not None and confidence < p_min:
+                    continue
+                tokens[b].append(token)
+                if q is not None:
+                    rows[b].append(q)
+                if i + 1 < budgets[b]:
+                    fed.append(b)
+            if not fed:
                 break
-            tokens.append(token)
-            if i + 1 < budget:
-                step = torch.tensor([[token]], device=model.device)  # [1, 1]
-                position = torch.tensor([[len(seq.tokens) + i]], device=model.device)  # [1, 1]
-                logits = self._to_target_vocab(model(step, position, cache).logits[0, -1])  # [V]
+            step = torch.tensor([[tokens[b][-1]] for b in fed], device=model.device)  # [F, 1]
+            positions = torch.tensor([[len(seqs[b].tokens) + i] for b in fed], device=model.device)  # [F, 1]
+            cache = caches[fed[0]] if len(fed) == 1 else CacheBatch([caches[b] for b in fed])
+            out = self._to_target_vocab(model(step, positions, cache).logits[:, -1])  # [F, V]
+            for row, b in enumerate(fed):
+                logits[b] = out[row]
+            drafting = fed
         # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
-        probs = torch.stack(rows) if rows else None  # [K, V]
-        return DraftProposal.chain(tokens, probs, self.name)
+        return [DraftProposal.chain(t, torch.stack(r) if r else None, self.name) for t, r in zip(tokens, rows)]
+
+    @staticmethod
+    def _draw(seq: Sequence, logits: torch.Tensor, confidence: bool) -> tuple[int, torch.Tensor | None, float | None]:
+        """The next draft token from logits [V] -> (token, the law it was drawn from [V] or None when greedy,
+        the draft's top probability when `confidence` asks for it)."""
+        if seq.sampling.greedy:
+            top = float(torch.softmax(logits, dim=-1).max()) if confidence else None
+            return int(logits.argmax()), None, top
+        q = logits_to_probs(logits, seq.sampling)  # [V]
+        return int(sample(q, seq.generator)), q, float(q.max()) if confidence else None
 
     def _tree(self, seq: Sequence, cache: KVCache, logits: torch.Tensor, budget: int) -> DraftProposal:
         """Top-k children are deterministic drafts (no q): verification uses the one-hot rule, in sampling too."""
@@ -144,6 +182,29 @@ class DraftModelDrafter(Drafter):
         drafter of a chain won.
         """
         return self._to_target_vocab(self._feed(seq, cache, slice(-1, None), len(seq.tokens))[0, -1])
+
+    def _catch_up_many(self, seqs: list[Sequence], caches: list[KVCache]) -> list[torch.Tensor]:
+        """`_catch_up` for several sequences in as few forwards as their caches' room allows; each one's pending
+        tokens padded to the longest (the padding's slots are dropped after)."""
+        model = self.draft.model
+        seen = [cache.lengths[0] for cache in caches]
+        pending = [len(seq.tokens) - start for seq, start in zip(seqs, seen)]
+        logits: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in forward_groups(seen, pending, [cache.capacity for cache in caches]):
+            longest = max(pending[b] for b in group)
+            tokens = torch.zeros(len(group), longest, dtype=torch.long)  # [G, P]
+            positions = torch.empty(len(group), longest, dtype=torch.long)  # [G, P]
+            for row, b in enumerate(group):
+                tokens[row, : pending[b]] = torch.tensor(seqs[b].tokens[seen[b] :])
+                positions[row] = torch.arange(seen[b], seen[b] + longest).clamp(max=len(seqs[b].tokens) - 1)
+            last = torch.tensor([[pending[b] - 1] for b in group])  # [G, 1] each sequence's last real row
+            cache = caches[group[0]] if len(group) == 1 else CacheBatch([caches[b] for b in group])
+            out = model(tokens.to(model.device), positions.to(model.device), cache,
+                        logits_at=last.to(model.device)).logits[:, 0]  # [G, V_draft]
+            for row, b in enumerate(group):
+                caches[b].truncate(len(seqs[b].tokens))
+                logits[b] = self._to_target_vocab(out[row])
+        return logits
 
     def _feed(self, seq: Sequence, cache: KVCache, logits_at: slice, upto: int) -> torch.Tensor:
         model, seen = self.draft.model, cache.lengths[0]

@@ -197,7 +197,9 @@ class Transformer(nn.Module):
         # earlier past is always visible; R = 0 for a tree of new tokens); None = causal
         attn_mask: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),  # boundary ids of the residual stream to return
-        logits_at: torch.Tensor | slice | None = None,  # which of the T positions need logits; None = all
+        # which of the T positions need logits: the same for every sequence ([T'] or a slice), or each its own
+        # ([B, T'] long); None = all
+        logits_at: torch.Tensor | slice | None = None,
         final_hidden: bool = False,  # also return every position's hidden state after the final norm
     ) -> ForwardOutput:
         new = tokens.shape[1]
@@ -214,12 +216,19 @@ class Transformer(nn.Module):
         cache.advance(new)
         if final_hidden:
             normed = self.norm(x)  # [B, T, hidden]
-            head_input = normed if logits_at is None else normed[:, logits_at]
-            return ForwardOutput(self.lm_head(head_input).float(), hidden, normed.to(self.dtype))
-        if logits_at is not None:
-            x = x[:, logits_at]
-        logits = self.lm_head(self.norm(x)).float()  # [B, T', V]
+            return ForwardOutput(self.lm_head(pick_rows(normed, logits_at)).float(), hidden, normed.to(self.dtype))
+        logits = self.lm_head(self.norm(pick_rows(x, logits_at))).float()  # [B, T', V]
         return ForwardOutput(logits, hidden)
+
+
+def pick_rows(x: torch.Tensor, at: torch.Tensor | slice | None) -> torch.Tensor:
+    """x [B, T, H] -> the rows `at`: None = all, a slice or [T'] = the same rows of every sequence, [B, T'] = each
+    sequence its own."""
+    if at is None:
+        return x
+    if isinstance(at, torch.Tensor) and at.dim() == 2:
+        return x.gather(1, at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, T', H]
+    return x[:, at]
 
 
 def attention_mask(positions: torch.Tensor, cache: KVCache | CacheBatch, tree: torch.Tensor | None,
