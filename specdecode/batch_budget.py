@@ -15,6 +15,11 @@ measured ones; below the smallest it is taken to scale down in proportion and ab
 both hopeful, so that an unmeasured choice gets tried once and measured rather than assumed away. This is
 vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, and it never falls below plain
 batching for long: plain batching is one of the choices, scored on the same clock.
+
+Acceptance is learnt from every step that drafted, alone or batched. A new request starts from what its method
+has shown on earlier requests (worth a few positions), not from nothing; and while plain batching wins, one
+step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under other conditions
+(an early guess, another prompt) get the chance to change the verdict.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from dataclasses import dataclass
 from specdecode.spec_types import Sequence
 
 SMOOTHING = 0.2  # weight of the newest measurement in each running estimate
-PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new sequence's acceptance starts at 1/2, worth two tried positions
+PRIOR_TRIED = 4.0  # a new request's acceptance starts at its method's so far, worth this many tried positions
+FIRST_ACCEPTANCE = 0.5  # a method's acceptance before any request of it drafted
+PROBE_EVERY = 16  # plain batched steps between two that draft anyway
 
 
 @dataclass
-class _SequenceEstimate:
-    accepted: float = PRIOR_ACCEPTED  # drafted positions the target accepted
-    tried: float = PRIOR_TRIED  # drafted positions verified, up to and including the first rejection
+class _Estimate:
+    accepted: float  # drafted positions the target accepted
+    tried: float  # drafted positions verified, up to and including the first rejection
     draft_seconds_per_token: float | None = None  # None: never drafted yet
 
     @property
@@ -45,24 +52,33 @@ class BatchDraftBudget:
 
     def __init__(self) -> None:
         self.forward_seconds: dict[int, float] = {}  # rows -> running mean of a forward's seconds
-        self._sequences: weakref.WeakKeyDictionary[Sequence, _SequenceEstimate] = weakref.WeakKeyDictionary()
+        self._sequences: weakref.WeakKeyDictionary[Sequence, _Estimate] = weakref.WeakKeyDictionary()
+        self._methods: dict[str, _Estimate] = {}  # every request of a method together
+        self.plain_steps = 0  # batched steps in a row that drafted nothing
 
     def draft_cap(self, seqs: list[Sequence], wanted: list[int]) -> int:
         """The draft length every sequence of this batched step is held to (0: plain batching)."""
-        best_k, best_rate = 0, -1.0
-        for k in range(max(wanted, default=0) + 1):
-            allowed = [min(k, w) for w in wanted]
-            rows = len(seqs) * (1 + max(seq.drafter.max_nodes(a) if a else 0 for seq, a in zip(seqs, allowed)))
-            tokens, drafting = 0.0, 0.0
-            for seq, a in zip(seqs, allowed):
-                estimate = self._estimate(seq)
-                tokens += sum(estimate.acceptance ** j for j in range(a + 1))
-                drafting += a * (estimate.draft_seconds_per_token or 0.0)
-            seconds = self.forward_estimate(rows) + drafting
-            rate = tokens / seconds if seconds > 0 else float("inf")
-            if rate > best_rate:  # ties keep the shorter draft
-                best_k, best_rate = k, rate
-        return best_k
+        rates = [self._rate(seqs, wanted, k) for k in range(max(wanted, default=0) + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties keep the shorter draft
+        if best == 0 and len(rates) > 1:
+            self.plain_steps += 1
+            if self.plain_steps >= PROBE_EVERY:  # draft once anyway: the estimates may be stale
+                best = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+        if best > 0:
+            self.plain_steps = 0
+        return best
+
+    def _rate(self, seqs: list[Sequence], wanted: list[int], k: int) -> float:
+        """Expected committed tokens per second of a step drafting up to k tokens per sequence."""
+        allowed = [min(k, w) for w in wanted]
+        rows = len(seqs) * (1 + max(seq.drafter.max_nodes(a) if a else 0 for seq, a in zip(seqs, allowed)))
+        tokens, drafting = 0.0, 0.0
+        for seq, a in zip(seqs, allowed):
+            estimate = self._estimate(seq)
+            tokens += sum(estimate.acceptance ** j for j in range(a + 1))
+            drafting += a * (estimate.draft_seconds_per_token or 0.0)
+        seconds = self.forward_estimate(rows) + drafting
+        return tokens / seconds if seconds > 0 else float("inf")
 
     def forward_estimate(self, rows: int) -> float:
         """Seconds of a target forward over `rows` rows, from the measured ones (0 before any)."""
@@ -85,17 +101,25 @@ class BatchDraftBudget:
         self.forward_seconds[rows] = seconds if known is None else known + SMOOTHING * (seconds - known)
 
     def observe_sequence(self, seq: Sequence, budget: int, accepted: int, draft_seconds: float) -> None:
-        """After a step that let `seq` draft `budget` tokens, `accepted` of which the target kept. A proposal
-        shorter than its budget (or none) counts as a rejection at its end: what the drafter failed to offer."""
+        """After a step (alone or batched) that let `seq` draft `budget` tokens, `accepted` of which the target
+        kept. A proposal shorter than its budget (or none) counts as a rejection at its end: what the drafter
+        failed to offer."""
         if budget == 0:
             return
+        tried = accepted + (1 if accepted < budget else 0)
+        for estimate in (self._estimate(seq), self._method(seq)):
+            estimate.accepted += accepted
+            estimate.tried += tried
         estimate = self._estimate(seq)
-        estimate.accepted += accepted
-        estimate.tried += accepted + (1 if accepted < budget else 0)
         per_token, known = draft_seconds / budget, estimate.draft_seconds_per_token
         estimate.draft_seconds_per_token = per_token if known is None else known + SMOOTHING * (per_token - known)
 
-    def _estimate(self, seq: Sequence) -> _SequenceEstimate:
+    def _method(self, seq: Sequence) -> _Estimate:
+        if seq.spec.method not in self._methods:
+            self._methods[seq.spec.method] = _Estimate(FIRST_ACCEPTANCE, 1.0)
+        return self._methods[seq.spec.method]
+
+    def _estimate(self, seq: Sequence) -> _Estimate:
         if seq not in self._sequences:
-            self._sequences[seq] = _SequenceEstimate()
+            self._sequences[seq] = _Estimate(self._method(seq).acceptance * PRIOR_TRIED, PRIOR_TRIED)
         return self._sequences[seq]

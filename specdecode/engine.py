@@ -1,8 +1,9 @@
 """The speculative loop: start (prefill), then step (propose -> one target forward -> verify -> keep the
 accepted path -> commit), then finish.
 
-`Engine.generate()` is the one iterator every front door (Python API, CLI, server, bench) shares; `start`,
-`step` and `finish` are the same loop for callers that hold several requests (`Sequence`s) at once.
+`Engine.generate()` is the one iterator every front door (Python API, CLI, server, bench) shares; `open` (or
+`start`), `step` and `finish` are the same loop for callers that hold several requests (`Sequence`s) at once,
+and `step_many` steps several of them with their verify rows in one target forward (the server's batches).
 The engine knows no method by name: a drafter's needs are data on it (drafters/base.py).
 """
 
@@ -225,8 +226,7 @@ class Engine:
         for seq, draft, tokens in zip(seqs, drafts, committed):
             if len(seqs) == 1:
                 seq.guard.observe(ended - began, len(tokens), draft.proposal.size)
-            else:
-                self.batch_budget.observe_sequence(seq, draft.budget, len(tokens) - 1, draft.seconds)
+            self.batch_budget.observe_sequence(seq, draft.budget, len(tokens) - 1, draft.seconds)
             seq.stats.draft_seconds += draft.seconds
             seq.stats.verify_seconds += ended - proposed  # a batch's forward counts for each of its sequences
         return committed

@@ -16,7 +16,7 @@ from conftest import save_tiny_model
 from test_server import MODEL, SETTINGS, assert_openai_error, running
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.batch_budget import BatchDraftBudget
+from specdecode.batch_budget import PROBE_EVERY, BatchDraftBudget
 from specdecode.batched import forward_groups, padded_inputs
 from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import load_model
@@ -106,12 +106,15 @@ def test_float_batched_forward_stacks_the_caches_and_computes_the_same_logits(fo
 
 
 class Scripted:
-    """A sequence as the budget sees it: a drafter whose proposals are chains."""
+    """A sequence as the budget sees it: its method, and a drafter whose proposals are chains."""
 
     class drafter:
         @staticmethod
         def max_nodes(k: int) -> int:
             return k
+
+    def __init__(self, method: str = "scripted"):
+        self.spec = SpecConfig(method)
 
 
 def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: list, draft_seconds: float = 0.0):
@@ -150,6 +153,20 @@ def test_budget_tries_what_it_has_not_measured_then_settles_on_what_pays():
         chosen.append(k)
         budget.observe_forward(4 * (1 + k), cost[4 * (1 + k)])
     assert chosen[:2] == [0, 4] and chosen[2:] == [0, 0, 0, 0]
+
+
+def test_budget_probes_while_plain_batching_wins_and_learns_from_every_step():
+    seqs = [Scripted() for _ in range(4)]
+    costly = {rows: 0.010 * rows for rows in (4, 8, 12, 16, 20)}
+    budget = trained_budget(costly, 0.5, seqs)
+    chosen = [budget.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)]
+    assert chosen.count(0) == 2 * PROBE_EVERY - 2 and chosen[PROBE_EVERY - 1] > 0 and chosen[-1] > 0
+    # A request alone drafts and is accepted often: its method's next requests start from that.
+    learner = Scripted("often-right")
+    for _ in range(50):
+        budget.observe_sequence(learner, 4, 4, 0.0)
+    newcomer = Scripted("often-right")
+    assert budget._estimate(newcomer).acceptance > 0.9 and budget._estimate(Scripted()).acceptance < 0.6
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft", "ngram,draft"])

@@ -1,0 +1,81 @@
+"""Batched steps on the default pair (w4a8): aggregate decoding tokens/s with N requests stepped together.
+
+Run from the repository root (about 12 minutes on 2 cores):
+
+    python docs/benchmarks/batched_decode.py [--prompts 16] [--max-tokens 128] [--methods none,ngram,ngram,draft]
+
+The same prompts (HumanEval's first N, chat template, greedy, natural ends of turn) go through N slots as the
+server's batched scheduler runs them: N requests step together in Engine.step_many, and a finished one's slot
+takes the next prompt. Decoding time is the steps' time; each request's prefill runs alone as it is admitted
+and is reported apart. N = 1 is also what interleaving (`--batching off`) reaches at any load: one request's
+step at a time. Every output is checked equal to the request decoded alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.bench.datasets import load_questions
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.loader import load_model
+
+DATASET = "../shared/data/humaneval/humaneval_specbench_format.jsonl"
+
+
+def run_slots(engine: Engine, prompts: list[str], sampling: SamplingParams, spec: SpecConfig, slots: int):
+    """-> (generated ids per prompt, decoding seconds, prefill seconds, drafted steps share)."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    waiting, active = list(range(len(prompts))), []
+    decode = prefill = 0.0
+    while waiting or active:
+        while waiting and len(active) < slots:
+            index = waiting.pop(0)
+            began = time.perf_counter()
+            stream = engine.open(prompts[index], sampling, spec)
+            prefill += time.perf_counter() - began
+            event = stream.first_event()
+            outputs[index].extend(event.token_ids)
+            active.append((index, stream))
+        began = time.perf_counter()
+        committed = engine.step_many([stream.seq for _, stream in active])
+        decode += time.perf_counter() - began
+        for (index, stream), tokens in zip(list(active), committed):
+            event = stream.event(tokens)
+            outputs[index].extend(event.token_ids)
+            if event.finish_reason is not None:
+                engine.finish(stream.seq)
+                active.remove((index, stream))
+    return outputs, decode, prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--methods", default="none;ngram;ngram,draft", help="';' between methods")
+    parser.add_argument("--slots", default="1,2,4,8,16")
+    args = parser.parse_args()
+    engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant="auto"),
+                    load_model(DEFAULT_DRAFT, quiet=True, quant="auto"))  # w4a8 on a CPU with the kernel
+    prompts = [q.turns[0] for q in load_questions([DATASET], args.prompts)]
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    engine.complete(prompts[0], SamplingParams(max_tokens=8))  # warm-up
+    print("| method | slots | decode tokens/s | vs 1 slot | prefill s | identical to alone |")
+    print("|---|---|---|---|---|---|")
+    for method in args.methods.split(";"):
+        spec = SpecConfig(method)
+        alone = None
+        for slots in [int(n) for n in args.slots.split(",")]:
+            outputs, decode, prefill = run_slots(engine, prompts, sampling, spec, slots)
+            tokens = sum(len(ids) - 1 for ids in outputs)  # the first token of each comes from its prefill
+            rate = tokens / decode
+            alone = alone or (outputs, rate)
+            same = sum(a == b for a, b in zip(outputs, alone[0]))
+            print(f"| {method} | {slots} | {rate:.1f} | {rate / alone[1]:.2f}x | {prefill:.1f} | "
+                  f"{same}/{len(prompts)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
