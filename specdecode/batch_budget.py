@@ -11,8 +11,10 @@ tokens per second,
 from online estimates: a forward's seconds by its rows (every step measures one), each sequence's acceptance a_i
 per drafted position (accepted positions over tried ones: a geometric model) and its drafting seconds per drafted
 token d_i; w_i is what the sequence's own draft length asks. A row count never measured is interpolated between
-measured ones; below the smallest it is taken to scale down in proportion and above the largest to stay flat,
-both hopeful, so that an unmeasured choice gets tried once and measured rather than assumed away. This is
+measured ones; below the smallest it is taken to scale down in proportion, and above the largest to grow on the
+slope of the last two (to stay flat while only one is known), so that an unmeasured choice gets tried and
+measured rather than assumed away, yet a count that proposals never fill (a batch's longest n-gram match is
+often shorter than the cap) is not taken for free. This is
 vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, and it never falls below plain
 batching for long: plain batching is one of the choices, scored on the same clock.
 
@@ -90,8 +92,12 @@ class BatchDraftBudget:
             return self.forward_seconds[rows]
         if at == 0:  # fewer rows than ever measured: hopefully proportional
             return self.forward_seconds[measured[0]] * rows / measured[0]
-        if at == len(measured):  # more rows than ever measured: hopefully no dearer
-            return self.forward_seconds[measured[-1]]
+        if at == len(measured):  # more rows than ever measured: on the last two's slope, or hopefully no dearer
+            last = self.forward_seconds[measured[-1]]
+            if len(measured) == 1:
+                return last
+            slope = (last - self.forward_seconds[measured[-2]]) / (measured[-1] - measured[-2])
+            return last + max(slope, 0.0) * (rows - measured[-1])
         low, high = measured[at - 1], measured[at]
         share = (rows - low) / (high - low)
         return self.forward_seconds[low] + share * (self.forward_seconds[high] - self.forward_seconds[low])

@@ -268,3 +268,13 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
     batched, _ = run_batched(w4a8_engine, requests, join_every=1)
     assert batched == alone
     assert max(batches) > 1, "the draft model never ran a batch"
+
+
+def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
+    budget = BatchDraftBudget()
+    assert budget.forward_estimate(8) == 0.0  # nothing measured: every choice looks free, so one gets tried
+    budget.observe_forward(4, 0.040)
+    assert budget.forward_estimate(16) == 0.040 and budget.forward_estimate(2) == 0.020  # hopeful both ways
+    budget.observe_forward(8, 0.080)
+    assert budget.forward_estimate(6) == pytest.approx(0.060)
+    assert budget.forward_estimate(16) == pytest.approx(0.160)  # rows proposals never fill are not free
