@@ -131,7 +131,7 @@ class Scheduler:
             groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
             for group in groups:
                 self._step(group)
-        for job, stream in self.active:
+        for job, stream in list(self.active):  # a copy: _end removes each
             self._end(job, stream, SpecDecodeError("the server shut down before this request finished"))
         queued = [self.waiting] if self.waiting is not None else []
         while not self.pending.empty():
