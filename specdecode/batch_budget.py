@@ -19,9 +19,9 @@ vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, 
 batching for long: plain batching is one of the choices, scored on the same clock.
 
 Acceptance is learnt from every step that drafted, alone or batched. A new request starts from what its method
-has shown on earlier requests (worth a few positions), not from nothing; and while plain batching wins, one
-step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under other conditions
-(an early guess, another prompt) get the chance to change the verdict.
+has shown on earlier requests (worth a few positions), not from nothing; and while plain batching wins by a
+small margin, one step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under
+other conditions (an early guess, another prompt) get the chance to change the verdict.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ SMOOTHING = 0.2  # weight of the newest measurement in each running estimate
 PRIOR_TRIED = 4.0  # a new request's acceptance starts at its method's so far, worth this many tried positions
 FIRST_ACCEPTANCE = 0.5  # a method's acceptance before any request of it drafted
 PROBE_EVERY = 16  # plain batched steps between two that draft anyway
+PROBE_MARGIN = 0.8  # ... when drafting's expected rate is at least this share of plain batching's
 
 
 @dataclass
@@ -64,8 +65,11 @@ class BatchDraftBudget:
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties keep the shorter draft
         if best == 0 and len(rates) > 1:
             self.plain_steps += 1
-            if self.plain_steps >= PROBE_EVERY:  # draft once anyway: the estimates may be stale
-                best = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+            runner_up = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+            # Draft once anyway when it comes close: the estimates may be stale. (Not when it is far behind: a
+            # model drafter's probe first catches up on every token it missed, which is dear.)
+            if self.plain_steps >= PROBE_EVERY and rates[runner_up] >= PROBE_MARGIN * rates[0]:
+                best = runner_up
         if best > 0:
             self.plain_steps = 0
         return best

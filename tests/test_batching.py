@@ -157,10 +157,12 @@ def test_budget_tries_what_it_has_not_measured_then_settles_on_what_pays():
 
 def test_budget_probes_while_plain_batching_wins_and_learns_from_every_step():
     seqs = [Scripted() for _ in range(4)]
-    costly = {rows: 0.010 * rows for rows in (4, 8, 12, 16, 20)}
-    budget = trained_budget(costly, 0.5, seqs)
+    close_call = {rows: 0.014 + 0.010 * rows for rows in (4, 8, 12, 16, 20)}  # drafting one token nearly pays
+    budget = trained_budget(close_call, 0.5, seqs)
     chosen = [budget.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)]
     assert chosen.count(0) == 2 * PROBE_EVERY - 2 and chosen[PROBE_EVERY - 1] > 0 and chosen[-1] > 0
+    far_behind = trained_budget({rows: 0.010 * rows for rows in (4, 8, 12, 16, 20)}, 0.5, seqs)
+    assert {far_behind.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)} == {0}  # no dear probes
     # A request alone drafts and is accepted often: its method's next requests start from that.
     learner = Scripted("often-right")
     for _ in range(50):
