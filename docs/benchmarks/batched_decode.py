@@ -9,16 +9,23 @@ server's batched scheduler runs them: N requests step together in Engine.step_ma
 takes the next prompt. Decoding time is the steps' time; each request's prefill runs alone as it is admitted
 and is reported apart. N = 1 is also what interleaving (`--batching off`) reaches at any load: one request's
 step at a time. Every output is checked equal to the request decoded alone.
+
+`--forward-costs` instead times one target forward of B sequences x 1 new row each (600 cached tokens apiece,
+median of 5) for B = 1, 2, 4, 8, 16: what a plain batched step costs by batch size.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+
+import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.bench.datasets import load_questions
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import load_model
 
 DATASET = "../shared/data/humaneval/humaneval_specbench_format.jsonl"
@@ -50,15 +57,40 @@ def run_slots(engine: Engine, prompts: list[str], sampling: SamplingParams, spec
     return outputs, decode, prefill
 
 
+@torch.inference_mode()
+def forward_costs(engine: Engine, context: int = 600) -> None:
+    model = engine.target.model
+    prompt = torch.randint(0, 1000, (1, context))  # [1, C]
+    print("| sequences x 1 row | forward ms | rows/s |")
+    print("|---|---|---|")
+    for batch in (1, 2, 4, 8, 16):
+        caches = [model.new_cache(context + 1) for _ in range(batch)]
+        for cache in caches:
+            model(prompt, torch.arange(context).unsqueeze(0), cache)
+        times = []
+        for _ in range(5):
+            for cache in caches:
+                cache.truncate(context)
+            began = time.perf_counter()
+            model(torch.randint(0, 1000, (batch, 1)), torch.full((batch, 1), context), CacheBatch(caches))
+            times.append(time.perf_counter() - began)
+        seconds = statistics.median(times)
+        print(f"| {batch} | {1000 * seconds:.1f} | {batch / seconds:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--methods", default="none;ngram;ngram,draft", help="';' between methods")
     parser.add_argument("--slots", default="1,2,4,8,16")
+    parser.add_argument("--forward-costs", action="store_true", help="time plain batched forwards instead")
     args = parser.parse_args()
     engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant="auto"),
                     load_model(DEFAULT_DRAFT, quiet=True, quant="auto"))  # w4a8 on a CPU with the kernel
+    if args.forward_costs:
+        forward_costs(engine)
+        return
     prompts = [q.turns[0] for q in load_questions([DATASET], args.prompts)]
     sampling = SamplingParams(max_tokens=args.max_tokens)
     engine.complete(prompts[0], SamplingParams(max_tokens=8))  # warm-up
