@@ -280,3 +280,22 @@ def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
     budget.observe_forward(8, 0.080)
     assert budget.forward_estimate(6) == pytest.approx(0.060)
     assert budget.forward_estimate(16) == pytest.approx(0.160)  # rows proposals never fill are not free
+
+
+def test_a_bug_in_one_prefill_is_a_500_for_that_request_and_the_server_keeps_serving(w4a8_engine, monkeypatch):
+    opened = w4a8_engine.open
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a scripted bug")
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(w4a8_engine, "open", failing_once)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    with running(create_app(w4a8_engine, SETTINGS)) as server:
+        error = assert_openai_error(*server.post("/v1/completions", body), 500)
+        assert "a scripted bug" in error["message"]
+        status, answer = server.post("/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 8

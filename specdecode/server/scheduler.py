@@ -181,7 +181,7 @@ class Scheduler:
                     self.waiting = job  # first in line when enough memory frees up
                     return
                 stream = self.engine.open(job.prompt_ids, job.sampling, job.spec)
-            except SpecDecodeError as error:
+            except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
                 job.send(error)
                 self._release()
                 continue
