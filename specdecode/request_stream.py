@@ -35,7 +35,6 @@ class RequestStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.sampling.stop)
         self.started = started
         self.on_end = on_end
-        self.finished = False
 
     def first_event(self) -> GenerationEvent:
         """The event for the token the prefill sampled."""
@@ -52,7 +51,6 @@ class RequestStream:
             new_ids, finish = new_ids[: self.detokenizer.consumed], "stop"
         if finish is None:
             return GenerationEvent(new_ids, text, logprobs=self._newest_logprobs(new_ids))
-        self.finished = True
         seq.stats.new_tokens = seq.generated
         seq.stats.total_seconds = perf_counter() - self.started
         self.on_end(seq)

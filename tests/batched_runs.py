@@ -24,6 +24,29 @@ def run_batched(engine: Engine, requests: list[tuple], join_every: int = 2) -> t
         del engine._forward_batch
 
 
+def admit(engine: Engine, index: int, request: tuple, active: list, outputs: list[list[int]]) -> None:
+    """Open request `index` (prompt, sampling, spec): its first token goes to outputs[index]; it joins `active`
+    ((index, stream) pairs) unless that token already ended it."""
+    stream = engine.open(*request)
+    event = stream.first_event()
+    outputs[index].extend(event.token_ids)
+    if event.finish_reason is None:
+        active.append((index, stream))
+    else:
+        engine.finish(stream.seq)
+
+
+def step_active(engine: Engine, active: list, outputs: list[list[int]]) -> None:
+    """One Engine.step_many over every active stream; each one's tokens go to its output, finished ones leave."""
+    committed = engine.step_many([stream.seq for _, stream in active])
+    for (index, stream), tokens in zip(list(active), committed):
+        event = stream.event(tokens)
+        outputs[index].extend(event.token_ids)
+        if event.finish_reason is not None:
+            engine.finish(stream.seq)
+            active.remove((index, stream))
+
+
 def _run(engine: Engine, requests: list[tuple], join_every: int) -> list[list[int]]:
     outputs: list[list[int]] = [[] for _ in requests]
     waiting = list(enumerate(requests))
@@ -31,21 +54,8 @@ def _run(engine: Engine, requests: list[tuple], join_every: int) -> list[list[in
     steps = 0
     while waiting or active:
         if waiting and steps % join_every == 0:
-            index, (prompt, sampling, spec) = waiting.pop(0)
-            stream = engine.open(prompt, sampling, spec)
-            event = stream.first_event()
-            outputs[index].extend(event.token_ids)
-            if event.finish_reason is None:
-                active.append((index, stream))
-            else:
-                engine.finish(stream.seq)
+            admit(engine, *waiting.pop(0), active, outputs)
         if active:
-            committed = engine.step_many([stream.seq for _, stream in active])
-            for (index, stream), tokens in zip(list(active), committed):
-                event = stream.event(tokens)
-                outputs[index].extend(event.token_ids)
-                if event.finish_reason is not None:
-                    engine.finish(stream.seq)
-                    active.remove((index, stream))
+            step_active(engine, active, outputs)
         steps += 1
     return outputs

@@ -18,21 +18,26 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.bench.datasets import load_questions
-from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdecode.models.kv_cache import CacheBatch
-from specdecode.models.loader import load_model
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
+from batched_runs import admit, step_active  # noqa: E402 - the tests' batched driver, as the server steps
+
+from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
+from specdecode.bench.datasets import load_questions  # noqa: E402
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from specdecode.models.kv_cache import CacheBatch  # noqa: E402
+from specdecode.models.loader import load_model  # noqa: E402
 
 DATASET = "../shared/data/humaneval/humaneval_specbench_format.jsonl"
 
 
 def run_slots(engine: Engine, prompts: list[str], sampling: SamplingParams, spec: SpecConfig, slots: int):
-    """-> (generated ids per prompt, decoding seconds, prefill seconds, drafted steps share)."""
+    """-> (generated ids per prompt, decoding seconds (steps and their events), prefill seconds)."""
     outputs: list[list[int]] = [[] for _ in prompts]
     waiting, active = list(range(len(prompts))), []
     decode = prefill = 0.0
@@ -40,20 +45,12 @@ def run_slots(engine: Engine, prompts: list[str], sampling: SamplingParams, spec
         while waiting and len(active) < slots:
             index = waiting.pop(0)
             began = time.perf_counter()
-            stream = engine.open(prompts[index], sampling, spec)
+            admit(engine, index, (prompts[index], sampling, spec), active, outputs)
             prefill += time.perf_counter() - began
-            event = stream.first_event()
-            outputs[index].extend(event.token_ids)
-            active.append((index, stream))
-        began = time.perf_counter()
-        committed = engine.step_many([stream.seq for _, stream in active])
-        decode += time.perf_counter() - began
-        for (index, stream), tokens in zip(list(active), committed):
-            event = stream.event(tokens)
-            outputs[index].extend(event.token_ids)
-            if event.finish_reason is not None:
-                engine.finish(stream.seq)
-                active.remove((index, stream))
+        if active:
+            began = time.perf_counter()
+            step_active(engine, active, outputs)
+            decode += time.perf_counter() - began
     return outputs, decode, prefill
 
 

@@ -12,13 +12,12 @@ import json
 import queue
 import threading
 import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
 
 from specdecode.bench.datasets import Question
-from specdecode.bench.openai_peer import TIMEOUT_SECONDS, OpenAIPeer, parse_peer
+from specdecode.bench.openai_peer import OpenAIPeer, parse_peer, stream_chat
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 
@@ -67,31 +66,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def one_request(url: str, body: dict) -> tuple[int, float, list[float]]:
     """Stream one chat completion -> (output tokens, time to first token, inter-token gaps in seconds). A chunk
     carrying several tokens (a speculative step) counts as that many gaps of equal share."""
-    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    started = perf_counter()
-    arrivals: list[float] = []  # one per content chunk
-    tokens = None
-    with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
-        for raw in response:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise SpecDecodeError(f"{url} failed mid-stream: {chunk['error']}")
-            if any((choice.get("delta") or {}).get("content") for choice in chunk.get("choices") or []):
-                arrivals.append(perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"].get("completion_tokens")
+    _, info = stream_chat(f"{url}/v1/chat/completions", body)
+    arrivals, tokens = info["chunk_arrivals"], info["completion_tokens"]
     if not arrivals:
-        return tokens or 0, perf_counter() - started, []
-    tokens = tokens or len(arrivals)
+        return tokens, 0.0, []
     span = arrivals[-1] - arrivals[0]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     # Spread the streamed span over the tokens after the first: chunks may hold several tokens.
     per_token = [span / (tokens - 1)] * (tokens - 1) if tokens > 1 and len(gaps) < tokens - 1 else gaps
-    return tokens, arrivals[0] - started, per_token
+    return tokens, info["time_to_first_token"], per_token
 
 
 def run_load(target: LoadTarget, model: str, prompts: list[str], sampling: SamplingParams,

@@ -67,6 +67,7 @@ class OpenAIPeer:
                         "min_p": sampling.min_p or None, "ignore_eos": sampling.ignore_eos or None}
             body.update({key: value for key, value in optional.items() if value is not None})
             text, info = stream_chat(f"{self.url}/v1/chat/completions", body)
+            del info["chunk_arrivals"]  # the load bench's; results.json keeps per-question numbers only
             # The API returns text, not ids: count tokens as the server reports them.
             return TurnOutput(text, info["completion_tokens"], None, None, info)
 
@@ -77,8 +78,8 @@ def stream_chat(url: str, body: dict) -> tuple[str, dict]:
     """POST a streaming chat request; return the text and what was measured or reported about it."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     started = perf_counter()
-    first = last = None
-    pieces, info, chunks = [], {}, 0
+    arrivals: list[float] = []  # when each chunk with content came
+    pieces, info = [], {}
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
             for raw in response:
@@ -91,19 +92,19 @@ def stream_chat(url: str, body: dict) -> tuple[str, dict]:
                 for choice in chunk.get("choices") or []:
                     delta = (choice.get("delta") or {}).get("content")
                     if delta:
-                        first = first or perf_counter()
-                        last = perf_counter()
+                        arrivals.append(perf_counter())
                         pieces.append(delta)
-                        chunks += 1
                 if chunk.get("usage"):
-                    info["completion_tokens"] = chunk["usage"].get("completion_tokens", chunks)
+                    info["completion_tokens"] = chunk["usage"].get("completion_tokens", len(arrivals))
                 for key in ("timings", "speculative"):
                     if key in chunk:
                         info[key] = chunk[key]
     except (urllib.error.URLError, OSError, json.JSONDecodeError) as error:
         raise SpecDecodeError(f"request to {url} failed ({error})") from None
-    info.setdefault("completion_tokens", chunks)
+    info.setdefault("completion_tokens", len(arrivals))
+    first, last = (arrivals[0], arrivals[-1]) if arrivals else (None, None)
     info["time_to_first_token"] = (first - started) if first else None
     info["streaming_tokens_per_second"] = ((info["completion_tokens"] - 1) / (last - first)
                                            if first and last and last > first else None)
+    info["chunk_arrivals"] = [t - started for t in arrivals]  # seconds after the request was sent
     return "".join(pieces), info
