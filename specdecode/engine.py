@@ -214,7 +214,8 @@ class Engine:
         """One speculative step of each sequence, their verify rows in one target forward (batched.py); -> each
         one's committed tokens. A sequence alone is held to its speed guard; in a batch, to the draft length
         the load allows (batch_budget.py). Each sequence's tokens are what stepping it alone would commit given
-        the same draft: bitwise on a batch-invariant target (w4a8); a float target may differ at near-ties."""
+        the same draft: bitwise on a batch-invariant target (models/batch_invariance.py); others may differ at
+        near-ties."""
         began = perf_counter()
         wanted = [self._wanted(seq) for seq in seqs]
         cap = self.batch_budget.draft_cap(seqs, wanted) if len(seqs) > 1 else None

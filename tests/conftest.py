@@ -76,6 +76,15 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, noise: float = 0.0, 
     return folder
 
 
+def linear_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A float model's linear weight [N, K] float32, whatever its storage (a layer packed for oneDNN keeps no
+    readable `.weight`): read off its outputs on the identity, which is exact."""
+    from specdecode.training.from_target import dense_weight
+
+    dtype = layer.packed_weight.dtype if hasattr(layer, "packed_weight") else layer.weight.dtype
+    return dense_weight(layer, layer.in_features, dtype, torch.device("cpu"))[0]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def module_cache(request, tmp_path_factory):
     """Module-scoped fixtures are built before any test's own cache (below): tiny models they convert or

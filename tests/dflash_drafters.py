@@ -39,7 +39,7 @@ def write_random_dflash(folder: Path, target: LoadedModel, layers: int = 1, bloc
             if name.endswith("bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
         if favour is not None:
-            row = target.model.lm_head.weight[favour].float()  # [H]
+            row = target.model.output_rows(torch.tensor([favour]))[0]  # [H]
             model.layers[-1].o.bias.add_(3.0 * row / row.pow(2).mean().sqrt())
     return save_dflash(model, folder, tc)
 

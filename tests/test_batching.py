@@ -14,13 +14,14 @@ import torch
 from batched_runs import run_batched
 from conftest import save_tiny_model
 from test_server import MODEL, SETTINGS, assert_openai_error, running
+from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.batch_budget import PROBE_EVERY, BatchDraftBudget
 from specdecode.batched import forward_groups, padded_inputs
+from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_decoder import batch_invariant
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 from specdecode.server.app import create_app
 from specdecode.spec_types import DraftProposal
@@ -95,11 +96,22 @@ def test_w4a8_batched_forward_over_caches_of_different_capacities_is_bitwise_eac
         assert ours.lengths == theirs.lengths and torch.equal(ours.keys, theirs.keys)
 
 
-def test_float_batched_forward_stacks_the_caches_and_computes_the_same_logits(folders):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float_batched_forward_over_caches_of_different_capacities_is_bitwise_each_alone(folders, dtype):
+    model = load_model(folders[0], dtype=dtype).model  # fixed-order float layers (float_decoder.py)
+    assert batch_invariant(model)
+    alone, batched, alone_caches, batched_caches = forward_alone_and_batched(model, PROMPT_IDS, [16, 40, 24])
+    assert torch.equal(alone, batched)
+    for ours, theirs in zip(batched_caches, alone_caches):
+        assert ours.lengths == theirs.lengths and torch.equal(ours.keys, theirs.keys)
+
+
+def test_pytorch_layers_batched_forward_stacks_the_caches_and_computes_the_same_logits(folders):
     model = load_model(folders[0], dtype="float32").model
+    model.layers = nn.ModuleList(layer.unfused() for layer in model.layers)  # SDPA over stacked, padded caches
     assert not batch_invariant(model)
     alone, batched, alone_caches, batched_caches = forward_alone_and_batched(model, PROMPT_IDS, [16, 40, 24])
-    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)  # float matmuls round with the row count
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)  # SDPA rounds with the row count
     for ours, theirs in zip(batched_caches, alone_caches):
         assert ours.lengths == theirs.lengths
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
@@ -270,6 +282,17 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
     batched, _ = run_batched(w4a8_engine, requests, join_every=1)
     assert batched == alone
     assert max(batches) > 1, "the draft model never ran a batch"
+
+
+def test_a_draft_model_asked_for_no_tokens_in_a_batch_proposes_nothing(w4a8_engine):
+    """In a chain, an earlier member may have drafted for every sequence of the batch; the draft model is then
+    asked for nothing (this once ended every request of the batch with an error)."""
+    seqs = [w4a8_engine.open(p, SamplingParams(max_tokens=8), SpecConfig("ngram,draft")).seq for p in PROMPTS[:2]]
+    drafter = seqs[0].drafter.members[1]
+    assert drafter.name == "draft" and drafter.batch_invariant
+    assert [p.tokens.numel() for p in drafter.propose_many(seqs, [0, 0])] == [0, 0]
+    for seq in seqs:
+        w4a8_engine.finish(seq)
 
 
 def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():

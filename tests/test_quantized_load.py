@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import linear_weight, save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
@@ -56,7 +56,7 @@ def test_int4_from_gguf_keeps_q4_k_exact_and_requantizes_the_rest(mixed_gguf):
             raise AssertionError(f"{name} is not int4")
         if not isinstance(layer, Int4Linear):
             continue
-        expected = float_layers[name].weight.detach()  # [N, K]
+        expected = linear_weight(float_layers[name])  # [N, K]
         got = weight_of(layer, expected.shape[1])
         if name in exact:
             assert torch.allclose(got, expected, atol=1e-6), name  # the file's own 4-bit values
@@ -75,7 +75,7 @@ def test_int8_from_gguf_stays_within_half_a_step_everywhere(mixed_gguf):
         if isinstance(layer, (Int4Linear, torch.nn.Linear)):
             raise AssertionError(f"{name} is not int8")
         if isinstance(layer, Int8Linear):
-            expected = float_layers[name].weight.detach()
+            expected = linear_weight(float_layers[name])
             step = expected.abs().amax(dim=1, keepdim=True) / 127
             assert ((weight_of(layer, expected.shape[1]) - expected).abs() <= step / 2 + 1e-6).all(), name
 
@@ -90,7 +90,7 @@ def test_k_quant_blocks_decode_like_gguf_py(tmp_path):
     assert (down_q6[1], down_q4[1]) == (Q6_K, Q4_K)
     for layer, (data, qtype) in zip(model.layers, (down_q6, down_q4)):
         expected = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
-        assert torch.equal(layer.mlp.down.weight.detach(), expected)
+        assert torch.equal(linear_weight(layer.mlp.down), expected)
 
 
 def test_quantized_model_is_cached_and_reloads_identically(mixed_gguf, cache, monkeypatch):

@@ -32,9 +32,10 @@ def engine(tmp_path_factory):
     return Engine(target, draft, SETTINGS.spec)
 
 
-@pytest.fixture(scope="module")
-def served(engine):
-    with running(create_app(engine, SETTINGS)) as server:
+@pytest.fixture(scope="module", params=["on", "off"])
+def served(engine, request):
+    """Served batched (the default for this float32 target: its layers are batch-invariant) and interleaved."""
+    with running(create_app(engine, replace(SETTINGS, batching=request.param))) as server:
         yield server
 
 
@@ -46,6 +47,7 @@ def wait_until_idle(server: RunningServer, seconds: float = 10) -> None:
 
 
 def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exactly(served, engine):
+    batched = served.app.state.scheduler.batching
     sampling = SamplingParams(max_tokens=16)
     expected = {(chat, p): engine.complete([{"role": "user", "content": p}] if chat else p, sampling, raw=not chat)
                 for chat in (False, True) for p in PROMPTS}
@@ -75,9 +77,11 @@ def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exac
         assert usage_chunk["usage"]["completion_tokens"] == len(reference.token_ids)
         spec = usage_chunk["speculative"]
         assert spec["method"] == method and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-        assert (spec["drafted_tokens"] == 0) == (method == "none")
+        if method == "none" or not batched:  # batched, the load may withhold a request's drafts (batch_budget.py)
+            assert (spec["drafted_tokens"] == 0) == (method == "none")
         tokens += usage_chunk["usage"]["completion_tokens"]
         drafted, accepted = drafted + spec["drafted_tokens"], accepted + spec["accepted_tokens"]
+    assert drafted > 0
     after = {name: served.metric(name) for name in counters}
     assert [after[name] - before[name] for name in counters] == [tokens, drafted, accepted]
     for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):

@@ -38,7 +38,7 @@ def test_the_training_time_test_computes_what_the_mtp_drafter_drafts(tmp_path):
         trunk = model(tokens.view(1, -1), torch.arange(12).view(1, -1), model.new_cache(12), hidden_layers=(layers,),
                       final_hidden=True)
     everything = torch.arange(target.config.vocab_size)
-    layer = MTPUnroll(target, model.mtp, torch.arange(64), model.lm_head.weight.detach(), 64)
+    layer = MTPUnroll(target, model.mtp, torch.arange(64), model.output_rows(everything), 64)
     result = unroll(layer, tokens, trunk.hidden[layers][0], torch.randint(0, 272, (12, 4)),
                     torch.full((12, 4), -1.0), torch.ones(12, dtype=torch.bool), everything, steps=3,
                     keep_logits=True)

@@ -89,9 +89,9 @@ def add_parser(commands) -> None:
                        help="requests generated concurrently (batched or interleaved, see --batching)")
     serve.add_argument("--batching", choices=("auto", "on", "off"), default="auto",
                        help="verify every active request's drafts in one target forward per step (on), or step "
-                       "them one at a time (off); auto: on where the target is batch-invariant (w4a8 here), so "
-                       "each output is bitwise what it would be alone; a float target batched may differ at "
-                       "near-ties of its top two logits")
+                       "them one at a time (off); auto: on where the target is batch-invariant (w4a8, or bf16/fp32 "
+                       "on a CPU), so each output is bitwise what it would be alone; another target batched "
+                       "may differ at near-ties of its top two logits")
     serve.add_argument("--kv-memory", type=parse_size,
                        help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
                        "that would not fit waits in the queue (default: no bound beyond --max-active)")

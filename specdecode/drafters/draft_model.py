@@ -20,7 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.batched import forward_groups
 from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.loader import LoadedModel
-from specdecode.models.quant.w4a8_decoder import batch_invariant
+from specdecode.models.batch_invariance import batch_invariant
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -105,11 +105,13 @@ class DraftModelDrafter(Drafter):
         the draft model is batch-invariant (w4a8), so each chain is what `propose` drafts alone; else one by one."""
         if self.tree or not self.batch_invariant:
             return super().propose_many(seqs, budgets)
+        proposals = [DraftProposal.empty(self.name) for _ in seqs]
         asked = [b for b, budget in enumerate(budgets) if budget > 0]
+        if not asked:  # a chain whose earlier member drafted for every sequence
+            return proposals
         caches = [seqs[b].drafter_state[self.name] for b in asked]
         logits = self._catch_up_many([seqs[b] for b in asked], caches)
         chains = self._chains([seqs[b] for b in asked], caches, logits, [budgets[b] for b in asked])
-        proposals = [DraftProposal.empty(self.name) for _ in seqs]
         for b, chain in zip(asked, chains):
             proposals[b] = chain
         return proposals

@@ -18,6 +18,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
+from specdecode.models.float_decoder import fix_float_layers
 from specdecode.models.packed_linear import PackedLinear, can_pack, pack_linears
 from specdecode.models.quant.auto_quant import choose_quant
 from specdecode.models.quant.quantized_linear import check_quant
@@ -211,4 +212,5 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     model.finish_loading(rope_factors)
     if can_pack(model):
         pack_linears(model)
+        fix_float_layers(model)
     return model.eval()

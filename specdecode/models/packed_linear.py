@@ -1,8 +1,14 @@
-"""Linear layers with their weights prepacked once for oneDNN (CPU, bf16).
+"""Linear layers with their weights prepacked once for oneDNN (CPU, bfloat16 and float32).
 
 `F.linear` on a plain bf16 weight has oneDNN reorder the weight into its blocked layout on every call; for
 decoding (a handful of rows against a large weight) that reorder costs about as much as the product itself.
-Packing once at load time keeps each call a single pass over the weight, with bitwise the same results.
+Packing once at load time keeps each call a single pass over the weight. For float32, oneDNN's packed product
+is 1.5-3x faster here than `F.linear`'s MKL one at 1-16 rows.
+
+Batch invariance: oneDNN sums each output of 2 or more rows in the same order whatever the number of rows (up
+to at least 80, checked at load by `rows_invariant`), but takes another kernel, with another order, for a single
+row. A single row is therefore computed as two copies of itself (decoding is memory-bound: the copy is free),
+and a token's outputs are then bitwise the same alone or among other rows.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ def can_pack(model: nn.Module) -> bool:
     weight = next(model.parameters())
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and (weight.dtype == torch.float32
+             or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     )
 
 
@@ -31,8 +37,21 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.numel() != x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.reshape(1, -1).expand(2, -1).contiguous()  # [2, in]: see the module's docstring
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # [2, out]
+        return out[:1].reshape(*x.shape[:-1], self.out_features)
+
+
+def rows_invariant(linear: PackedLinear, generator: torch.Generator, most_rows: int = 80) -> bool:
+    """Whether `linear` gives each row bitwise the same outputs at 1, 2, 3, 8, 17 and `most_rows` rows on this
+    CPU (oneDNN's kernels differ by instruction set; the ones measured so far are invariant)."""
+    x = torch.randn(most_rows, linear.in_features, generator=generator).to(linear.packed_weight.dtype)  # [R, in]
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[r : r + 1]) for r in range(3)])  # [3, out]
+        return all(torch.equal(linear(x[:rows])[:3], alone[:rows]) for rows in (2, 3, 8, 17, most_rows))
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:

@@ -1,9 +1,10 @@
 """One worker thread owns the models and steps every active request; the HTTP side talks to it through queues.
 
-Batched (the default where the target is batch-invariant, i.e. w4a8): each tick is one `Engine.step_many`
-over all active requests, their verify rows in one target forward, so many users share each pass over the
-weights and the draft length shrinks as the batch grows (batch_budget.py). Each request's output stays what
-it would be alone, bit for bit. Interleaved (`batching="off"`, and the default for float targets, whose
+Batched (the default where the target is batch-invariant: w4a8, and bf16 or fp32 on a CPU with the
+fixed-order float layers, see models/batch_invariance.py): each tick is one `Engine.step_many` over all active
+requests, their verify rows in one target forward, so many users share each pass over the weights and the
+draft length shrinks as the batch grows (batch_budget.py). Each request's output stays what it would be
+alone, bit for bit. Interleaved (`batching="off"`, and the default for other targets, e.g. on a GPU, whose
 matmuls round differently with more rows): one request's step at a time, as separate forwards.
 
 Every request's KV cache is sized to it (prompt + max_tokens) and counted against one memory budget
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
-from specdecode.models.quant.w4a8_decoder import batch_invariant
+from specdecode.models.batch_invariance import batch_invariant
 from specdecode.request_stream import RequestStream
 from specdecode.errors import SpecDecodeError
 

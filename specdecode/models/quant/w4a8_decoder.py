@@ -76,8 +76,3 @@ def fuse_layers(model: Transformer) -> None:
             config.num_kv_heads, config.head_dim, config.rms_norm_eps))
         for layer in layers)
 
-
-def batch_invariant(model: Transformer) -> bool:
-    """Whether a token's logits are bitwise the same however many rows and sequences share its forward: every
-    decoder layer fused and a w4a8 output head (the embedding and final norm work row by row anyway)."""
-    return all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers) and isinstance(model.lm_head, W4A8Linear)

@@ -110,7 +110,8 @@ def load_variant(isa: str, quiet: bool = True):
         if not quiet:
             print(f"loading the w4a8 kernel for {isa} (compiled once per machine, about 35 s)", file=sys.stderr,
                   flush=True)
-        sources = [str(Path(__file__).with_name(name)) for name in ("w4a8_kernel.cpp", "w4a8_layer.cpp")]
+        files = ("w4a8_kernel.cpp", "attention.cpp", "w4a8_layer.cpp")
+        sources = [str(Path(__file__).with_name(name)) for name in files]
         # Hidden symbols: two variants loaded in one process must not call into each other's functions.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *VARIANTS[isa][1]]
         _variants[isa] = load(name=f"specdecode_w4a8_{isa}", sources=sources, extra_cflags=cflags,

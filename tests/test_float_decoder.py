@@ -1,0 +1,84 @@
+"""The fixed-order float layers (float_decoder.py): installed for bf16 and fp32 CPU models, equal to the PyTorch
+layers within rounding, and a token's logits bitwise the same decoded alone, in a chain, in a tree or in a batch
+(the PyTorch layers are not: that is checked too, so the test would notice if it stopped testing anything)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from layer_checks import assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch, forward, pytorch_forward, tokens_of
+from torch import nn
+
+from specdecode.models.batch_invariance import batch_invariant
+from specdecode.models.float_decoder import FloatDecoderLayer, fix_float_layers
+from specdecode.models.loader import load_model
+from specdecode.models.packed_linear import PackedLinear, rows_invariant
+
+ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
+# Wide enough that oneDNN takes its blocked kernels, as it does for real models.
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def float_model(tmp_path, arch: str, dtype: str, **overrides):
+    folder = save_tiny_model(tmp_path / arch, arch, scale=0.15, **{**ARCHS[arch], **overrides})
+    return load_model(folder, dtype=dtype, quiet=True).model
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_float_models_load_with_fixed_order_layers_and_are_batch_invariant(tmp_path, dtype):
+    model = float_model(tmp_path, "qwen2", dtype, **WIDE)
+    assert all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
+    assert batch_invariant(model)
+    assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(model)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_pytorch_layers_are_not_batch_invariant(tmp_path, dtype):
+    """What the fixed-order layers fix: with the PyTorch layers (oneDNN's single-row kernel and SDPA), a chain's
+    logits differ from one-at-a-time decoding in their last bits."""
+    model = float_model(tmp_path, "qwen2", dtype, **WIDE)
+    model.layers = nn.ModuleList(layer.unfused() for layer in model.layers)
+    model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).to(model.dtype)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.embed.weight)
+    assert not batch_invariant(model)
+    prompt, chain = tokens_of(12, seed=2), tokens_of(4, seed=3)
+    cache = model.new_cache(32)
+    forward(model, prompt, cache, 0)
+    alone = torch.cat([forward(model, chain[:, i : i + 1], cache, 12 + i).logits for i in range(4)], dim=1)
+    cache = model.new_cache(32)
+    forward(model, prompt, cache, 0)
+    assert not torch.equal(forward(model, chain, cache, 12).logits, alone)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fixed_order_layers_compute_what_the_pytorch_layers_compute(tmp_path, arch, dtype):
+    model = float_model(tmp_path, arch, dtype)
+    assert all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
+    tokens = tokens_of(40, seed=1)  # past mistral's window of 24, so the window's mask is used
+    ours = forward(model, tokens, model.new_cache(40), 0, hidden_layers=(1, 2))
+    reference = pytorch_forward(model, tokens)
+    # Attention in float32 over the cache against SDPA in the model's dtype: equal within the dtype's rounding.
+    tolerance = 1e-4 if dtype == "float32" else 3e-2
+    for mine, theirs in [(ours.logits, reference.logits)] + [(ours.hidden[i], reference.hidden[i]) for i in (1, 2)]:
+        assert mine.dtype == theirs.dtype
+        scale = theirs.float().abs().max()
+        assert (mine.float() - theirs.float()).abs().max() < tolerance * scale
+
+
+def test_a_single_row_is_computed_as_two_so_it_matches_any_number_of_rows():
+    linear = nn.Linear(256, 512).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert rows_invariant(packed, torch.Generator().manual_seed(0))
+    x = torch.randn(5, 256).to(torch.bfloat16)  # [5, in]
+    with torch.inference_mode():
+        assert torch.equal(packed(x[None, None, 2]), packed(x)[None, None, 2])  # [1, 1, out] from [1, 1, in]
+
+
+def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path):
+    model = float_model(tmp_path, "qwen2", "float32", head_dim=24)
+    assert not any(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
+    assert "multiple of 16" in fix_float_layers(model)
+    assert not batch_invariant(model)
