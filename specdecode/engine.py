@@ -200,7 +200,9 @@ class Engine:
         first = verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token
         seq.tokens.append(first)
         self._record_logprobs(seq, prefill.logits, [first])
+        drafter_began = perf_counter()
         drafter.start(seq, prefill)
+        seq.stats.drafter_prefill_seconds = perf_counter() - drafter_began
         seq.stats.prefill_seconds = perf_counter() - began
         return seq
 

@@ -20,7 +20,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_by: dict[str, int] = field(default_factory=dict)  # method -> drafted tokens (for combinations)
     accepted_by: dict[str, int] = field(default_factory=dict)
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the whole prefill phase: the target's forward and the drafter's start
+    drafter_prefill_seconds: float = 0.0  # its share spent in the drafter's start (a draft model's prefill)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -128,6 +129,7 @@ class GenerationStats:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "drafter_prefill_seconds": round(self.drafter_prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
@@ -146,8 +148,8 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
     total = GenerationStats(method=method, relaxed=",".join(sorted(relaxed)) or None)
     for part in parts:
         for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
-                     "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "draft_seconds",
-                     "verify_seconds", "total_seconds", "guard_shrinks", "guard_pauses"):
+                     "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "drafter_prefill_seconds",
+                     "draft_seconds", "verify_seconds", "total_seconds", "guard_shrinks", "guard_pauses"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.cover_positions(len(part.drafted_per_position))
         for position, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):

@@ -54,6 +54,11 @@ def test_json_compare_plain_reports_identity(models, capsys):
                        "--dtype", "float32", "--json", "--compare-plain")
     report = json.loads(out)
     assert code == 0 and report["stats"]["method"] == "ngram" and report["plain"]["identical"] is True
+    memory = report["memory"]  # peaks are monotone by phase; the weights and caches are the model's own
+    peaks = memory["peak_rss_bytes"]
+    assert 0 < memory["rss_before_load_bytes"] <= peaks["load"] <= peaks["generate"] <= peaks["compare_plain"]
+    assert memory["weights_bytes"]["target"] > 0 and memory["cache_bytes"] == report["stats"]["kv_cache_bytes"]
+    assert memory["needed_bytes"] == sum(memory["weights_bytes"].values()) + memory["cache_bytes"]
 
 
 def test_prompt_from_stdin(models, capsys, monkeypatch):

@@ -221,3 +221,13 @@ def test_the_last_event_carries_the_request_end_stats(engine):
     last = next(event for event in events if event.finish_reason is not None)  # the generator is not closed yet
     assert last.stats.kv_cache_bytes > 0 and last.stats.drafter_request_bytes > 0
     events.close()
+
+
+def test_the_prefill_phase_reports_the_drafters_share(pair):
+    """A draft model prefills the prompt in the prefill phase (not in its first proposal), and the stats say how
+    long that took within the phase."""
+    target, draft = pair
+    result = Engine(target, draft).complete("hello hello", SamplingParams(max_tokens=4), SpecConfig("draft"))
+    stats = result.stats
+    assert 0 < stats.drafter_prefill_seconds < stats.prefill_seconds
+    assert stats.to_dict()["drafter_prefill_seconds"] == round(stats.drafter_prefill_seconds, 4)

@@ -14,6 +14,7 @@ from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.float_decoder import FloatDecoderLayer, fix_float_layers
 from specdecode.models.loader import load_model
 from specdecode.models.packed_linear import PackedLinear, rows_invariant
+from specdecode.models.quant.w4a8_linear import load_kernel
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
 # Wide enough that oneDNN takes its blocked kernels, as it does for real models.
@@ -77,8 +78,32 @@ def test_a_single_row_is_computed_as_two_so_it_matches_any_number_of_rows():
         assert torch.equal(packed(x[None, None, 2]), packed(x)[None, None, 2])  # [1, 1, out] from [1, 1, in]
 
 
-def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path):
-    model = float_model(tmp_path, "qwen2", "float32", head_dim=24)
+def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path, capsys):
+    folder = save_tiny_model(tmp_path / "odd", "qwen2", scale=0.15, head_dim=24)
+    model = load_model(folder, dtype="float32").model
+    assert "not batch-invariant (the fixed-order attention needs a head size" in capsys.readouterr().err
     assert not any(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
     assert "multiple of 16" in fix_float_layers(model)
     assert not batch_invariant(model)
+
+
+def test_causal_rows_sharing_one_gather_of_their_slots_attend_bitwise_as_each_row_alone():
+    """attention.cpp converts the slots of a block of causal rows once (blocks of 32: 70 rows cross two); each
+    row must still get the bits it gets alone, fed one at a time, and the same under an explicit causal mask."""
+    heads, kv_heads, dim, new, capacity, starts = 4, 2, 32, 70, 80, [5, 0]
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, new, (heads + 2 * kv_heads) * dim, generator=generator)  # [B, T, width]
+    cache = [torch.randn(kv_heads, capacity, dim, generator=generator).to(torch.bfloat16) for _ in range(4)]
+    slot = torch.arange(capacity).view(1, 1, 1, capacity)  # [1, 1, 1, S]
+    row = torch.arange(new).view(1, 1, new, 1)  # [1, 1, T, 1]
+    causal = slot <= torch.tensor(starts).view(2, 1, 1, 1) + row  # [B, 1, T, S]
+    attend = load_kernel().attend
+
+    def fresh_cache():
+        return [t.clone() for t in cache[:2]], [t.clone() for t in cache[2:]]
+
+    together = [attend(qkv, *fresh_cache(), starts, visible, heads, kv_heads, dim) for visible in (None, causal)]
+    keys, values = fresh_cache()
+    alone = torch.cat([attend(qkv[:, t : t + 1].contiguous(), keys, values, [start + t for start in starts], None,
+                              heads, kv_heads, dim) for t in range(new)], dim=1)  # [B, T, H*D]
+    assert torch.equal(together[0], alone) and torch.equal(together[1], alone)

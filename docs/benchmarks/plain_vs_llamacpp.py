@@ -3,6 +3,7 @@
 Run from the repository root (about 5 minutes on 2 cores):
 
     python docs/benchmarks/plain_vs_llamacpp.py --llama-server PATH [--prompts 8] [--max-tokens 128] [--quant w4a8]
+        [--dtype auto] [--dataset ../shared/data/mt_bench/question.jsonl]
 
 PATH is a llama-server binary. llama-cpp-python ships llama.cpp's sources without the binary; to build the one
 it bundles (commit 0c1e57098), from its unpacked sdist (`pip download llama-cpp-python==0.3.36 --no-binary
@@ -13,9 +14,11 @@ it bundles (commit 0c1e57098), from its unpacked sdist (`pip download llama-cpp-
 
 Two llama-servers run for the whole benchmark, plain and with n-gram speculation (`--spec-type ngram-simple`),
 both with 2 threads on the default Q4_K_M file. Every prompt is run by each llama.cpp setup and each of our
-methods in turn, so that drift in the machine's speed hits all alike, with the same prompt token ids, greedy,
---max-tokens tokens, end-of-sequence ignored. Speed is generation-phase tokens/s: tokens after the first over
-the time after prefill (llama.cpp's own `timings.predicted_per_second`, so HTTP costs it nothing).
+methods in turn, so that drift in the machine's speed hits all alike, with the same prompt token ids (each
+dataset question's first turn in the chat template), greedy, at most --max-tokens tokens, ending at the end of
+turn as a user's request does (text written past it repeats itself and would flatter n-gram drafting). Speed
+is generation-phase tokens/s: tokens after the first over the time after prefill (llama.cpp's own
+`timings.predicted_per_second`, so HTTP costs it nothing).
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ def start_server(binary: Path, gguf: Path, port: int, extra: list[str]) -> subpr
 
 def llama_cpp_run(port: int, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
     """Greedy tokens, generation-phase seconds and tokens counted in them, from the server's own timings."""
-    body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
-            "cache_prompt": False, "return_tokens": True}
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False,
+            "return_tokens": True}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     reply = json.load(urllib.request.urlopen(request))
@@ -67,13 +70,15 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, required=True, help="a llama-server binary")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--quant", default="w4a8", help="our target's and draft's --quant")
+    parser.add_argument("--quant", default="w4a8", help="our target's --quant (the draft is w4a8)")
+    parser.add_argument("--dtype", default="auto", help="our target's --dtype")
+    parser.add_argument("--dataset", type=Path, default=PROMPTS, help="Spec-Bench jsonl; each first turn is a prompt")
     args = parser.parse_args()
     gguf = assemble(DEFAULT_MODELS[DEFAULT_TARGET], quiet=True)
-    engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant=args.quant),
-                    load_model(DEFAULT_DRAFT, quiet=True, quant=args.quant))
-    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    texts = [json.loads(line)["turns"][0] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
+    engine = Engine(load_model(DEFAULT_TARGET, dtype=args.dtype, quiet=True, quant=args.quant),
+                    load_model(DEFAULT_DRAFT, quiet=True, quant="w4a8"))
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    texts = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[: args.prompts]]
     prompt_ids = [engine.encode(text) for text in texts]
     seconds = {name: 0.0 for name in [*LLAMA_SETUPS, *OUR_METHODS]}
     tokens = dict.fromkeys(seconds, 0)
@@ -102,8 +107,9 @@ def main() -> None:
                 same[method] += result.token_ids == plain
     speed = {name: tokens[name] / seconds[name] for name in seconds}
     base = speed["llama.cpp plain"]
-    print(f"{len(prompt_ids)} HumanEval prompts x {args.max_tokens} tokens, greedy, generation phase, 2 threads; "
-          f"ours: --quant {args.quant} target and draft")
+    print(f"{len(prompt_ids)} prompts of {args.dataset.name}, at most {args.max_tokens} tokens (natural ends), "
+          f"greedy, generation phase, 2 threads; ours: target --quant {args.quant} --dtype {args.dtype}, "
+          f"draft w4a8; {tokens['none'] + len(prompt_ids)} tokens in our plain outputs")
     print("| decoder | tok/s | x llama.cpp plain | identical to its own plain |")
     print("|---|---|---|---|")
     for name in seconds:

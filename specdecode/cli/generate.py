@@ -12,6 +12,7 @@ from specdecode.config import SpecConfig
 from specdecode.drafters import needs_draft_files, needs_draft_model
 from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
+from specdecode.memory import memory_report, peak_rss_bytes, rss_bytes
 from specdecode.stats import GenerationStats
 from specdecode.tokenizer import check_text
 
@@ -42,9 +43,11 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
     draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
+    before_load = rss_bytes()
     target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
     engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
                     draft_quant=draft_quant(args))
+    peaks = {"load": peak_rss_bytes()}
 
     token_ids: list[int] = []
     text: list[str] = []
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
     stats: GenerationStats = event.stats
+    peaks["generate"] = peak_rss_bytes()
     report = {"text": "".join(text), "token_ids": token_ids, "finish_reason": event.finish_reason,
               "stats": stats.to_dict()}
     if not args.json:
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             print(stats_line(stats), file=sys.stderr)
     if args.compare_plain:
         report["plain"] = compare_plain(engine, prompt, sampling, args, token_ids, stats)
+        peaks["compare_plain"] = peak_rss_bytes()
+    report["memory"] = memory_report(engine, stats, before_load, peaks)
     if args.json:
         print(json.dumps(report))
     elif args.compare_plain and not args.quiet:

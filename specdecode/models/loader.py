@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.float_decoder import fix_float_layers
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.float_decoder import fix_float_layers
 from specdecode.models.packed_linear import PackedLinear, can_pack, pack_linears
 from specdecode.models.quant.auto_quant import choose_quant
 from specdecode.models.quant.quantized_linear import check_quant
@@ -109,7 +109,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
             print(f"{Path(str(name_or_path)).name}: --quant auto -> {quant} ({reason})", file=sys.stderr)
     if quant == "none":
         folder = _float_folder(source, torch_dtype, quiet)
-        model = load_folder(folder, torch_dtype, device)
+        model = load_folder(folder, torch_dtype, device, quiet)
     else:
         model, folder = load_quantized_source(source, torch_dtype, quant, group_size, quiet)
     tokenizer = Tokenizer.from_folder(folder, model.config)
@@ -199,7 +199,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
+def load_folder(folder: Path, dtype: torch.dtype, device: str, quiet: bool = True) -> Transformer:
     config = read_config(folder)  # first: an unsupported architecture says so before its weights are opened
     weights = FolderWeights(safetensors_files(folder))
     config = with_present_mtp(config, weights)
@@ -212,5 +212,8 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str) -> Transformer:
     model.finish_loading(rope_factors)
     if can_pack(model):
         pack_linears(model)
-        fix_float_layers(model)
+    not_fixed = fix_float_layers(model)
+    if not_fixed and device == "cpu" and not quiet:
+        print(f"{folder.name}: PyTorch decoder layers, not batch-invariant ({not_fixed}): speculative output may "
+              f"differ from plain decoding where the top two logits tie", file=sys.stderr)
     return model.eval()

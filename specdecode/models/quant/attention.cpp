@@ -69,49 +69,70 @@ void attend_typed(const float* qkv, const std::vector<C*>& keys, const std::vect
   const bool* visible = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t seen = mask.defined() ? mask.size(3) : 0;
   const float scale = 1.f / std::sqrt((float)hs.dim);
-  at::parallel_for(0, rows * hs.kv_heads, 1, [&](int64_t u0, int64_t u1) {
+  // Causal rows of one sequence see prefixes of the same slots (a prefill's, a chain's), so a block of such rows
+  // shares one conversion of those slots to float32 (a prefill's rows would otherwise convert O(T^2) slots);
+  // other rows (a tree's, a window's) gather their own. Either way each row's sums are the same, in the same order.
+  const int64_t batch = (int64_t)starts.size(), block = 32;
+  const int64_t blocks = (new_tokens + block - 1) / block;
+  // Whether row r of sequence b sees exactly the slots [0, n).
+  const auto sees_prefix = [&](int64_t r, int64_t n) {
+    if (!visible) return true;
+    for (int64_t s = 0; s < seen; ++s) if (visible[r * seen + s] != (s < n)) return false;
+    return true;
+  };
+  at::parallel_for(0, batch * hs.kv_heads * blocks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<int64_t> slots;
-    std::vector<float> probs, seen_rows, totals(group);
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r = u / hs.kv_heads, g = u % hs.kv_heads, b = r / new_tokens, t = r % new_tokens;
-      slots.clear();
-      if (visible) {
-        for (int64_t s = 0; s < seen; ++s) if (visible[r * seen + s]) slots.push_back(s);
-      } else {
-        for (int64_t s = 0; s <= starts[b] + t; ++s) slots.push_back(s);
+    std::vector<float> probs, seen_keys, seen_values, totals(group);
+    // The slots' keys and values as float32 rows [n, D]: converted once, read once per query head.
+    const auto gather = [&](const C* base, std::vector<float>& rows) {
+      rows.resize(slots.size() * hs.dim);
+      for (size_t i = 0; i < slots.size(); ++i) {
+        for (int64_t d = 0; d < hs.dim; d += 16) {
+          store16(rows.data() + i * hs.dim + d, load_cache(base + slots[i] * hs.dim + d));
+        }
       }
-      const int64_t n = (int64_t)slots.size(), padded = (n + 15) / 16 * 16;
-      probs.assign(group * padded, 0.f);
-      seen_rows.resize(n * hs.dim);
-      // The visible keys (then values) as float32 rows [n, D]: converted once, read once per query head.
-      const auto gather = [&](const C* base) {
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t d = 0; d < hs.dim; d += 16) {
-            store16(seen_rows.data() + i * hs.dim + d, load_cache(base + slots[i] * hs.dim + d));
+    };
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (hs.kv_heads * blocks), g = u / blocks % hs.kv_heads, first = u % blocks * block;
+      const int64_t last = std::min(new_tokens, first + block);  // rows [first, last) of sequence b
+      const int64_t kv_offset = g * capacities[b] * hs.dim;
+      bool shared = true;
+      for (int64_t t = first; t < last && shared; ++t) shared = sees_prefix(b * new_tokens + t, starts[b] + t + 1);
+      if (shared) {
+        slots.clear();
+        for (int64_t s = 0; s < starts[b] + last; ++s) slots.push_back(s);
+        gather(keys[b] + kv_offset, seen_keys);
+        gather(values[b] + kv_offset, seen_values);
+      }
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t r = b * new_tokens + t;
+        if (!shared) {
+          slots.clear();
+          for (int64_t s = 0; s < seen; ++s) if (visible[r * seen + s]) slots.push_back(s);
+          gather(keys[b] + kv_offset, seen_keys);
+          gather(values[b] + kv_offset, seen_values);
+        }
+        const int64_t n = shared ? starts[b] + t + 1 : (int64_t)slots.size(), padded = (n + 15) / 16 * 16;
+        probs.assign(group * padded, 0.f);
+        const float* query = qkv + r * width + g * group * hs.dim;
+        for (int64_t h = 0; h < group; ++h) {
+          for (int64_t i = 0; i < n; ++i) {
+            probs[h * padded + i] = dot(query + h * hs.dim, seen_keys.data() + i * hs.dim, hs.dim) * scale;
           }
         }
-      };
-      const int64_t kv_offset = g * capacities[b] * hs.dim;
-      const float* query = qkv + r * width + g * group * hs.dim;
-      gather(keys[b] + kv_offset);
-      for (int64_t h = 0; h < group; ++h) {
-        for (int64_t i = 0; i < n; ++i) {
-          probs[h * padded + i] = dot(query + h * hs.dim, seen_rows.data() + i * hs.dim, hs.dim) * scale;
+        for (int64_t h = 0; h < group; ++h) {
+          float* p = probs.data() + h * padded;
+          float top = p[0];
+          for (int64_t i = 1; i < n; ++i) top = std::max(top, p[i]);
+          // Whole vectors: a row of probs is padded to 16, and what lands past n is never read.
+          for (int64_t i = 0; i < n; i += 16) store16(p + i, exp16(load16(p + i) - set16(top)));
+          totals[h] = 0.f;
+          for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
         }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* p = probs.data() + h * padded;
-        float top = p[0];
-        for (int64_t i = 1; i < n; ++i) top = std::max(top, p[i]);
-        // Whole vectors: a row of probs is padded to 16, and what lands past n is never read.
-        for (int64_t i = 0; i < n; i += 16) store16(p + i, exp16(load16(p + i) - set16(top)));
-        totals[h] = 0.f;
-        for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
-      }
-      gather(values[b] + kv_offset);
-      for (int64_t h = 0; h < group; ++h) {
-        float* target = out + r * hs.heads * hs.dim + (g * group + h) * hs.dim;
-        weighted_rows(probs.data() + h * padded, seen_rows.data(), n, hs.dim, 1.f / totals[h], target);
+        for (int64_t h = 0; h < group; ++h) {
+          float* target = out + r * hs.heads * hs.dim + (g * group + h) * hs.dim;
+          weighted_rows(probs.data() + h * padded, seen_values.data(), n, hs.dim, 1.f / totals[h], target);
+        }
       }
     }
   });
