@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.formats.gguf_int4 import Q4_K_GROUP
+from specdecode.models.formats.safetensors_read import read_tensors
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, int4_fits, minmax_groups
 from specdecode.models.formats.default_models import cache_dir
@@ -145,12 +145,7 @@ def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path
 
 
 def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            # Copies, not views into the file: the kernels assume their own aligned allocations.
-            state = {key: handle.get_tensor(key).clone() for key in handle.keys()}
-    except (SafetensorError, OSError) as error:
-        raise SpecDecodeError(f"{path} is corrupt or truncated ({error}); delete it to rebuild") from None
+    state = read_tensors(path)  # copies of their own, not views into the file: the kernels align their data
     with torch.device("meta"):
         model = Transformer(config)
     for name, module in list(model.named_modules()):
