@@ -121,13 +121,18 @@ void attend_typed(const float* qkv, const std::vector<C*>& keys, const std::vect
           }
         }
         for (int64_t h = 0; h < group; ++h) {
-          float* p = probs.data() + h * padded;
-          float top = p[0];
-          for (int64_t i = 1; i < n; ++i) top = std::max(top, p[i]);
-          // Whole vectors: a row of probs is padded to 16, and what lands past n is never read.
-          for (int64_t i = 0; i < n; i += 16) store16(p + i, exp16(load16(p + i) - set16(top)));
-          totals[h] = 0.f;
-          for (int64_t i = 0; i < n; ++i) totals[h] += p[i];
+          float* p = probs.data() + h * padded;  // [padded]: slots past n are padding
+          for (int64_t i = n; i < padded; ++i) p[i] = -INFINITY;
+          F16 top = load16(p);
+          for (int64_t i = 16; i < padded; i += 16) top = max16(top, load16(p + i));
+          const F16 shift = set16(reduce_max(top));
+          F16 sum = set16(0.f);
+          for (int64_t i = 0; i < padded; i += 16) {
+            store16(p + i, exp16(load16(p + i) - shift));
+            for (int64_t j = std::max(i, n); j < i + 16; ++j) p[j] = 0.f;  // the padding weighs nothing
+            sum = sum + load16(p + i);
+          }
+          totals[h] = reduce_add(sum);
         }
         for (int64_t h = 0; h < group; ++h) {
           float* target = out + r * hs.heads * hs.dim + (g * group + h) * hs.dim;
