@@ -47,7 +47,7 @@ def weight_of(layer: torch.nn.Module, in_features: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("mixed_gguf", ["qwen2", "llama"], indirect=True)
 def test_int4_from_gguf_keeps_q4_k_exact_and_requantizes_the_rest(mixed_gguf):
-    reference = load_model(mixed_gguf, dtype="float32").model  # the file dequantized by gguf-py, q/k un-permuted
+    reference = load_model(mixed_gguf, dtype="float32", quant="none").model  # the file dequantized by gguf-py, q/k un-permuted
     model = load_model(mixed_gguf, dtype="float32", quant="int4").model
     float_layers = dict(reference.named_modules())
     exact = {"layers.0.mlp.gate_up", "layers.1.mlp.gate_up", "layers.1.mlp.down"}  # all sources Q4_K
@@ -68,7 +68,7 @@ def test_int4_from_gguf_keeps_q4_k_exact_and_requantizes_the_rest(mixed_gguf):
 
 
 def test_int8_from_gguf_stays_within_half_a_step_everywhere(mixed_gguf):
-    reference = load_model(mixed_gguf, dtype="float32").model
+    reference = load_model(mixed_gguf, dtype="float32", quant="none").model
     model = load_model(mixed_gguf, dtype="float32", quant="int8").model
     float_layers = dict(reference.named_modules())
     for name, layer in model.named_modules():
@@ -85,7 +85,7 @@ def test_k_quant_blocks_decode_like_gguf_py(tmp_path):
     path = tmp_path / "blocks.gguf"
     source = save_tiny_model(tmp_path / "hf", "qwen2", seed=4, tie_word_embeddings=False, **SHAPE)
     stored = write_gguf(path, source, "qwen2", qtypes=TYPES)
-    model = load_model(path, dtype="float32").model
+    model = load_model(path, dtype="float32", quant="none").model
     down_q6, down_q4 = stored["model.layers.0.mlp.down_proj.weight"], stored["model.layers.1.mlp.down_proj.weight"]
     assert (down_q6[1], down_q4[1]) == (Q6_K, Q4_K)
     for layer, (data, qtype) in zip(model.layers, (down_q6, down_q4)):
@@ -130,7 +130,7 @@ def test_folder_source_quantizes_from_its_safetensors_and_caches(tmp_path, cache
 
 
 def test_gguf_quantized_draft_keeps_greedy_output_of_its_target(mixed_gguf):
-    target = load_model(mixed_gguf, dtype="float32")
+    target = load_model(mixed_gguf, dtype="float32", quant="none")
     engine = Engine(target, load_model(mixed_gguf, dtype="bfloat16", quant="int4"))
     sampling = SamplingParams(max_tokens=32, ignore_eos=True)
     plain = engine.complete("hello hello hello", sampling, SpecConfig("none"))

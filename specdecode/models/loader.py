@@ -89,7 +89,7 @@ def _cpu_has_bf16() -> bool:
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               quiet: bool = False, quant: str = "none", group_size: int = 32) -> LoadedModel:
+               quiet: bool = False, quant: str = "auto", group_size: int = 32) -> LoadedModel:
     """Load a default name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
 
     quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;

@@ -42,7 +42,17 @@ def read_header(path: Path, with_tokens: bool = False) -> GGUFHeader:
         with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _read(data, with_tokens)
     except (OSError, ValueError, struct.error, IndexError) as error:
-        raise SpecDecodeError(f"{path} is not a readable GGUF file ({error})") from None
+        if not _starts_with_magic(path):
+            raise SpecDecodeError(f"{path} is not a GGUF file (it does not start with the GGUF magic)") from None
+        raise SpecDecodeError(f"{path} is truncated or corrupt: not a readable GGUF file ({error})") from None
+
+
+def _starts_with_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            return file.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _read(data, with_tokens: bool) -> GGUFHeader:
