@@ -57,13 +57,6 @@ class FloatDecoderLayer(DecoderLayer):
         x = x + attn.o(attended.to(x.dtype))
         return x + self.mlp(self.mlp_norm(x))
 
-    def unfused(self) -> DecoderLayer:
-        """The same weights run by the PyTorch layer (for comparisons)."""
-        layer = DecoderLayer.__new__(DecoderLayer)
-        nn.Module.__init__(layer)
-        layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp = self.attn_norm, self.attn, self.mlp_norm, self.mlp
-        return layer
-
 
 def fix_float_layers(model: Transformer) -> str | None:
     """Replace a float model's decoder layers by FloatDecoderLayer where that makes it batch-invariant here.

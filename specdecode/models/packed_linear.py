@@ -5,9 +5,9 @@ decoding (a handful of rows against a large weight) that reorder costs about as 
 Packing once at load time keeps each call a single pass over the weight. For float32, oneDNN's packed product
 is 1.5-3x faster here than `F.linear`'s MKL one at 1-16 rows.
 
-Batch invariance: oneDNN sums each output of 2 or more rows in the same order whatever the number of rows (up
-to at least 80, checked at load by `rows_invariant`), but takes another kernel, with another order, for a single
-row. A single row is therefore computed as two copies of itself (decoding is memory-bound: the copy is free),
+Batch invariance: oneDNN sums each output of 2 or more rows in the same order whatever the number of rows (every
+row bitwise at 2 to 320 rows on the default target's shapes here; `rows_invariant` checks up to 80 at load), but
+takes another kernel, with another order, for a single row. A single row is therefore computed as two copies of itself (decoding is memory-bound: the copy is free),
 and a token's outputs are then bitwise the same alone or among other rows.
 """
 

@@ -109,6 +109,14 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, index, mask)
         return x + self.mlp(self.mlp_norm(x))
 
+    def unfused(self) -> DecoderLayer:
+        """The same weights run by this PyTorch layer: a replacement layer (fused, fixed-order) keeps the submodules,
+        so tests can compare the two."""
+        layer = DecoderLayer.__new__(DecoderLayer)
+        nn.Module.__init__(layer)
+        layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp = self.attn_norm, self.attn, self.mlp_norm, self.mlp
+        return layer
+
 
 @dataclass
 class ForwardOutput:

@@ -42,13 +42,6 @@ class W4A8DecoderLayer(DecoderLayer):
         keys, values = cache.layer_views(index)  # one [Hkv, S, D] tensor each per sequence
         return self.kernel_layer.forward(x.float(), keys, values, cache.lengths, cos, sin, mask)
 
-    def unfused(self) -> DecoderLayer:
-        """The same weights run by the PyTorch layer (for comparisons)."""
-        layer = DecoderLayer.__new__(DecoderLayer)
-        nn.Module.__init__(layer)
-        layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp = self.attn_norm, self.attn, self.mlp_norm, self.mlp
-        return layer
-
 
 def fuse_layers(model: Transformer) -> None:
     """Replace each decoder layer by a fused one when every matmul in them is w4a8 and the sizes suit the
