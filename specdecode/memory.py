@@ -5,6 +5,11 @@ from __future__ import annotations
 import resource
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the engine imports much of the package
+    from specdecode.engine import Engine
+    from specdecode.stats import GenerationStats
 
 
 def peak_rss_bytes() -> int:
@@ -22,7 +27,7 @@ def rss_bytes() -> int | None:
     return pages * resource.getpagesize()
 
 
-def memory_report(engine, stats, before_load: int | None, peaks: dict[str, int]) -> dict:
+def memory_report(engine: Engine, stats: GenerationStats, before_load: int | None, peaks: dict[str, int]) -> dict:
     """What one request's run holds against what it needs: the weights (target, draft model, drafter heads), its
     caches (the target's KV cache and the drafter's), resident memory before loading (the interpreter and
     libraries) and the peak after each phase (`peaks`, phase -> peak_rss_bytes() at its end).
