@@ -13,7 +13,7 @@ from torch import nn
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.float_decoder import FloatDecoderLayer, fix_float_layers
 from specdecode.models.loader import load_model
-from specdecode.models.packed_linear import PackedLinear, rows_invariant
+from specdecode.models.packed_linear import PackedLinear, can_pack, rows_invariant
 from specdecode.models.quant.w4a8_linear import load_kernel
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
@@ -69,11 +69,14 @@ def test_fixed_order_layers_compute_what_the_pytorch_layers_compute(tmp_path, ar
         assert (mine.float() - theirs.float()).abs().max() < tolerance * scale
 
 
-def test_a_single_row_is_computed_as_two_so_it_matches_any_number_of_rows():
-    linear = nn.Linear(256, 512).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_single_row_is_computed_as_two_so_it_matches_any_number_of_rows(dtype):
+    linear = nn.Linear(256, 512).to(dtype)
+    if not can_pack(linear):
+        pytest.skip("oneDNN has no bf16 kernel on this CPU (no AVX-512): bf16 weights stay unpacked here")
     packed = PackedLinear(linear)
-    assert rows_invariant(packed, torch.Generator().manual_seed(0))
-    x = torch.randn(5, 256).to(torch.bfloat16)  # [5, in]
+    assert rows_invariant(packed, torch.Generator().manual_seed(0), dtype)
+    x = torch.randn(5, 256).to(dtype)  # [5, in]
     with torch.inference_mode():
         assert torch.equal(packed(x[None, None, 2]), packed(x)[None, None, 2])  # [1, 1, out] from [1, 1, in]
 
@@ -87,10 +90,12 @@ def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path, cap
     assert not batch_invariant(model)
 
 
-def test_causal_rows_sharing_one_gather_of_their_slots_attend_bitwise_as_each_row_alone():
-    """attention.cpp converts the slots of a block of causal rows once (blocks of 32: 70 rows cross two); each
-    row must still get the bits it gets alone, fed one at a time, and the same under an explicit causal mask."""
-    heads, kv_heads, dim, new, capacity, starts = 4, 2, 32, 70, 80, [5, 0]
+@pytest.mark.parametrize("heads", [4, 14])  # 14: a group of 7 heads, two passes on AVX2
+def test_causal_rows_visiting_slots_tile_by_tile_attend_bitwise_as_each_row_alone(heads):
+    """attention.cpp has a block of causal rows (32: 70 rows make three) visit the slots in tiles of 256 (250
+    cached + 70 new slots cross one), every row taking each tile in turn; each row must still get the bits it
+    gets alone, fed one at a time, and the same under an explicit causal mask."""
+    kv_heads, dim, new, capacity, starts = 2, 32, 70, 330, [250, 0]
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(2, new, (heads + 2 * kv_heads) * dim, generator=generator)  # [B, T, width]
     cache = [torch.randn(kv_heads, capacity, dim, generator=generator).to(torch.bfloat16) for _ in range(4)]
@@ -107,3 +112,18 @@ def test_causal_rows_sharing_one_gather_of_their_slots_attend_bitwise_as_each_ro
     alone = torch.cat([attend(qkv[:, t : t + 1].contiguous(), keys, values, [start + t for start in starts], None,
                               heads, kv_heads, dim) for t in range(new)], dim=1)  # [B, T, H*D]
     assert torch.equal(together[0], alone) and torch.equal(together[1], alone)
+
+
+def test_unpacked_bf16_weights_get_the_fixed_order_layers_only_where_the_probe_finds_them_row_invariant(
+        tmp_path, monkeypatch):
+    """Where oneDNN has no bf16 kernel (x86 without AVX-512) bf16 weights stay nn.Linear; PyTorch's own bf16
+    matmul then runs them. The probe decides: fixed layers and bitwise invariance, or the PyTorch layers and why."""
+    monkeypatch.setattr("specdecode.models.loader.can_pack", lambda model: False)
+    model = float_model(tmp_path, "qwen2", "bfloat16", **WIDE)
+    assert isinstance(model.lm_head, nn.Linear)
+    if all(isinstance(layer, FloatDecoderLayer) for layer in model.layers):
+        assert batch_invariant(model)
+        assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(model)
+    else:
+        assert "sums in an order that depends on the number of rows" in fix_float_layers(model)
+        assert not batch_invariant(model)

@@ -3,7 +3,7 @@
 Run from the repository root (about 5 minutes on 2 cores):
 
     python docs/benchmarks/plain_vs_llamacpp.py --llama-server PATH [--prompts 8] [--max-tokens 128] [--quant w4a8]
-        [--dtype auto] [--dataset ../shared/data/mt_bench/question.jsonl]
+        [--dtype auto] [--dataset ../shared/data/mt_bench/question.jsonl] [--float-methods none,ngram,draft]
 
 PATH is a llama-server binary. llama-cpp-python ships llama.cpp's sources without the binary; to build the one
 it bundles (commit 0c1e57098), from its unpacked sdist (`pip download llama-cpp-python==0.3.36 --no-binary
@@ -18,7 +18,10 @@ methods in turn, so that drift in the machine's speed hits all alike, with the s
 dataset question's first turn in the chat template), greedy, at most --max-tokens tokens, ending at the end of
 turn as a user's request does (text written past it repeats itself and would flatter n-gram drafting). Speed
 is generation-phase tokens/s: tokens after the first over the time after prefill (llama.cpp's own
-`timings.predicted_per_second`, so HTTP costs it nothing).
+`timings.predicted_per_second`, so HTTP costs it nothing). `--float-methods` also runs those methods on the
+target loaded in float (`--quant none --dtype bf16`, the same draft), each compared with that target's own
+plain decoding. Each llama-server's peak resident memory (VmHWM) is printed at the end; ours is one process
+holding several models, so its per-configuration memory comes from `specdecode generate --json` runs.
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ def llama_cpp_run(port: int, prompt_ids: list[int], max_tokens: int) -> tuple[li
     return reply["tokens"], timings["predicted_ms"] / 1000, timings["predicted_n"] - 1
 
 
+def peak_memory_gib(server: subprocess.Popen) -> float:
+    """A running process's peak resident memory (Linux's VmHWM), in GiB."""
+    for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    raise SystemExit(f"no VmHWM for process {server.pid}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", type=Path, required=True, help="a llama-server binary")
@@ -73,48 +84,62 @@ def main() -> None:
     parser.add_argument("--quant", default="w4a8", help="our target's --quant (the draft is w4a8)")
     parser.add_argument("--dtype", default="auto", help="our target's --dtype")
     parser.add_argument("--dataset", type=Path, default=PROMPTS, help="Spec-Bench jsonl; each first turn is a prompt")
+    parser.add_argument("--float-methods", default="",
+                        help="also run these methods (comma-separated, plain first) on the target in bf16")
     args = parser.parse_args()
     gguf = assemble(DEFAULT_MODELS[DEFAULT_TARGET], quiet=True)
-    engine = Engine(load_model(DEFAULT_TARGET, dtype=args.dtype, quiet=True, quant=args.quant),
-                    load_model(DEFAULT_DRAFT, quiet=True, quant="w4a8"))
+    draft = load_model(DEFAULT_DRAFT, quiet=True, quant="w4a8")
+    # label -> (engine, its methods, plain first)
+    ours = {f"ours {args.quant}": (Engine(load_model(DEFAULT_TARGET, dtype=args.dtype, quiet=True, quant=args.quant),
+                                          draft), OUR_METHODS)}
+    if args.float_methods:
+        ours["ours bf16"] = (Engine(load_model(DEFAULT_TARGET, dtype="bfloat16", quiet=True, quant="none"), draft),
+                             tuple(args.float_methods.split(",")))
+    engine = next(iter(ours.values()))[0]
     sampling = SamplingParams(max_tokens=args.max_tokens)
     texts = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[: args.prompts]]
     prompt_ids = [engine.encode(text) for text in texts]
-    seconds = {name: 0.0 for name in [*LLAMA_SETUPS, *OUR_METHODS]}
+    runs = [*LLAMA_SETUPS, *(f"{label} `{method}`" for label, (_, methods) in ours.items() for method in methods)]
+    seconds = {name: 0.0 for name in runs}
     tokens = dict.fromkeys(seconds, 0)
     same = dict.fromkeys(seconds, 0)
-    with ExitStack() as servers:
-        ports = {}
+    with ExitStack() as stack:
+        servers = {}
         for port, (name, extra) in enumerate(LLAMA_SETUPS.items(), start=8091):
-            servers.callback(start_server(args.llama_server, gguf, port, extra).kill)
-            ports[name] = port
-        for name, port in ports.items():  # warm-up
+            servers[name] = (start_server(args.llama_server, gguf, port, extra), port)
+            stack.callback(servers[name][0].kill)
+        for _, port in servers.values():  # warm-up
             llama_cpp_run(port, prompt_ids[0], 8)
-        engine.complete(prompt_ids[0], SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
-        for ids in prompt_ids:
+        for our_engine, _ in ours.values():
+            our_engine.complete(prompt_ids[0], SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
+        for number, ids in enumerate(prompt_ids, start=1):
             reference = None
-            for name, port in ports.items():
+            for name, (_, port) in servers.items():
                 output, elapsed, counted = llama_cpp_run(port, ids, args.max_tokens)
                 reference = reference or output
                 seconds[name], tokens[name] = seconds[name] + elapsed, tokens[name] + counted
                 same[name] += output == reference
-            plain = None
-            for method in OUR_METHODS:
-                result = engine.complete(ids, sampling, SpecConfig(method))
-                plain = plain or result.token_ids
-                seconds[method] += result.stats.total_seconds - result.stats.prefill_seconds
-                tokens[method] += result.stats.new_tokens - 1  # the first token comes from prefill
-                same[method] += result.token_ids == plain
+            for label, (our_engine, methods) in ours.items():
+                plain = None
+                for method in methods:
+                    name = f"{label} `{method}`"
+                    result = our_engine.complete(ids, sampling, SpecConfig(method))
+                    plain = plain or result.token_ids
+                    seconds[name] += result.stats.total_seconds - result.stats.prefill_seconds
+                    tokens[name] += result.stats.new_tokens - 1  # the first token comes from prefill
+                    same[name] += result.token_ids == plain
+            print(f"prompt {number}/{len(prompt_ids)} done", flush=True)
+        peaks = {name: peak_memory_gib(server) for name, (server, _) in servers.items()}
     speed = {name: tokens[name] / seconds[name] for name in seconds}
     base = speed["llama.cpp plain"]
     print(f"{len(prompt_ids)} prompts of {args.dataset.name}, at most {args.max_tokens} tokens (natural ends), "
-          f"greedy, generation phase, 2 threads; ours: target --quant {args.quant} --dtype {args.dtype}, "
-          f"draft w4a8; {tokens['none'] + len(prompt_ids)} tokens in our plain outputs")
+          f"greedy, generation phase, 2 threads; ours: target --quant {args.quant} --dtype {args.dtype} "
+          f"(and bf16 where named), draft w4a8; {tokens[runs[2]] + len(prompt_ids)} tokens in our plain outputs")
     print("| decoder | tok/s | x llama.cpp plain | identical to its own plain |")
     print("|---|---|---|---|")
-    for name in seconds:
-        label = name if name in LLAMA_SETUPS else f"ours `{name}`"
-        print(f"| {label} | {speed[name]:.2f} | {speed[name] / base:.2f} | {same[name]}/{len(prompt_ids)} |")
+    for name in runs:
+        print(f"| {name} | {speed[name]:.2f} | {speed[name] / base:.2f} | {same[name]}/{len(prompt_ids)} |")
+    print("llama-server peak resident memory: " + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in peaks.items()))
 
 
 if __name__ == "__main__":

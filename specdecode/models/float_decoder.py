@@ -6,14 +6,16 @@ reduction order by the number of rows. Where the top two logits are that close, 
 from plain decoding (on MT-bench in bf16, on 56-69% of conversations). These layers remove both causes:
 
 - the matmuls run through oneDNN's packed kernels (packed_linear.py), which sum in an order independent of the
-  number of rows from two rows up, and a single row runs as two;
+  number of rows from two rows up, and a single row runs as two; where oneDNN has no bf16 kernel (x86 CPUs
+  without AVX-512), bf16 weights stay unpacked and PyTorch's own bf16 matmul, one dot product per output, runs
+  them (row-invariant too, but compute-bound: 8 rows cost about 6x one);
 - attention runs in C++ (quant/attention.cpp, shared with the w4a8 layers), each row summing its visible slots in
   ascending slot order, in float32 over the model-dtype cache.
 
 Norms, rotary embeddings and SiLU stay PyTorch element-wise or row-wise ops (the same per row whatever the number
 of rows). So greedy speculative output is bitwise plain decoding in bf16 and fp32 too (tested, on the default
 pair as well). Layers are replaced only where all of this holds on this machine: a CPU model in bf16 or fp32, a
-compiler for the kernel, every linear packed and found row-invariant by a probe at load.
+compiler for the kernel, every linear found row-invariant by a probe at load.
 """
 
 from __future__ import annotations
@@ -65,17 +67,22 @@ def fix_float_layers(model: Transformer) -> str | None:
         return f"the fixed-order layers run on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
     if model.config.head_dim % 16:
         return f"the fixed-order attention needs a head size that is a multiple of 16, not {model.config.head_dim}"
-    linears = [module for layer in model.layers for module in layer.modules() if isinstance(module, nn.Linear)]
-    if linears or not isinstance(model.lm_head, PackedLinear):
-        return "its linear layers are not packed for oneDNN"
+    linears = [module for layer in model.layers for module in layer.modules()
+               if isinstance(module, (nn.Linear, PackedLinear))] + [model.lm_head]
+    if len({type(linear) for linear in linears}) > 1:
+        return "its linear layers are packed for oneDNN only in part"
     reason = w4a8_unavailable()
     if reason is not None:
         return f"the attention kernel is unavailable: {reason}"
+    # Packed (oneDNN) where the CPU has its kernels; else bf16 weights stay nn.Linear, which PyTorch multiplies
+    # with its own bf16 kernel on CPUs without AVX-512 (one dot product per output, in an order of its own).
+    # Either way the probe decides.
     generator = torch.Generator().manual_seed(0)
     first = model.layers[0]
     probes = (first.attn.qkv, first.attn.o, first.mlp.gate_up, first.mlp.down, model.lm_head)
-    if not all(rows_invariant(linear, generator) for linear in probes):
-        return "oneDNN's matmul on this CPU sums in an order that depends on the number of rows"
+    if not all(rows_invariant(linear, generator, model.dtype) for linear in probes):
+        return "the matmul on this CPU sums in an order that depends on the number of rows"
     attend = load_kernel().attend
     model.layers = nn.ModuleList(FloatDecoderLayer(layer, attend) for layer in model.layers)
+    model.lm_head.rows_invariant_checked = True  # see batch_invariance.py
     return None

@@ -45,10 +45,10 @@ class PackedLinear(nn.Module):
         return out[:1].reshape(*x.shape[:-1], self.out_features)
 
 
-def rows_invariant(linear: PackedLinear, generator: torch.Generator, most_rows: int = 80) -> bool:
-    """Whether `linear` gives each row bitwise the same outputs at 1, 2, 3, 8, 17 and `most_rows` rows on this
-    CPU (oneDNN's kernels differ by instruction set; the ones measured so far are invariant)."""
-    x = torch.randn(most_rows, linear.in_features, generator=generator).to(linear.packed_weight.dtype)  # [R, in]
+def rows_invariant(linear: nn.Module, generator: torch.Generator, dtype: torch.dtype, most_rows: int = 80) -> bool:
+    """Whether `linear` (packed or not) gives each row bitwise the same outputs at 1, 2, 3, 8, 17 and `most_rows`
+    rows of `dtype` on this CPU (kernels differ by instruction set; the ones measured so far are invariant)."""
+    x = torch.randn(most_rows, linear.in_features, generator=generator).to(dtype)  # [R, in]
     with torch.inference_mode():
         alone = torch.cat([linear(x[r : r + 1]) for r in range(3)])  # [3, out]
         return all(torch.equal(linear(x[:rows])[:3], alone[:rows]) for rows in (2, 3, 8, 17, most_rows))
