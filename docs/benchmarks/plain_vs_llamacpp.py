@@ -3,7 +3,7 @@
 Run from the repository root (about 5 minutes on 2 cores):
 
     python docs/benchmarks/plain_vs_llamacpp.py --llama-server PATH [--prompts 8] [--max-tokens 128] [--quant w4a8]
-        [--dtype auto] [--dataset ../shared/data/mt_bench/question.jsonl] [--float-methods none,ngram,draft]
+        [--dtype auto] [--dataset PATH[:N] ...] [--float-methods "none;ngram,draft"]
 
 PATH is a llama-server binary. llama-cpp-python ships llama.cpp's sources without the binary; to build the one
 it bundles (commit 0c1e57098), from its unpacked sdist (`pip download llama-cpp-python==0.3.36 --no-binary
@@ -83,9 +83,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--quant", default="w4a8", help="our target's --quant (the draft is w4a8)")
     parser.add_argument("--dtype", default="auto", help="our target's --dtype")
-    parser.add_argument("--dataset", type=Path, default=PROMPTS, help="Spec-Bench jsonl; each first turn is a prompt")
+    parser.add_argument("--dataset", action="append", default=[],
+                        help="Spec-Bench jsonl, each first turn a prompt; PATH or PATH:N for N of its prompts "
+                             "(default --prompts); repeat for several (default HumanEval)")
     parser.add_argument("--float-methods", default="",
-                        help="also run these methods (comma-separated, plain first) on the target in bf16")
+                        help="also run these methods (';' between them, plain first) on the target in bf16")
     args = parser.parse_args()
     gguf = assemble(DEFAULT_MODELS[DEFAULT_TARGET], quiet=True)
     draft = load_model(DEFAULT_DRAFT, quiet=True, quant="w4a8")
@@ -94,52 +96,58 @@ def main() -> None:
                                           draft), OUR_METHODS)}
     if args.float_methods:
         ours["ours bf16"] = (Engine(load_model(DEFAULT_TARGET, dtype="bfloat16", quiet=True, quant="none"), draft),
-                             tuple(args.float_methods.split(",")))
+                             tuple(args.float_methods.split(";")))
     engine = next(iter(ours.values()))[0]
     sampling = SamplingParams(max_tokens=args.max_tokens)
-    texts = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[: args.prompts]]
-    prompt_ids = [engine.encode(text) for text in texts]
+    prompts = []  # (dataset name, prompt token ids)
+    for spec in args.dataset or [str(PROMPTS)]:
+        path, _, count = spec.partition(":")
+        lines = Path(path).read_text().splitlines()[: int(count or args.prompts)]
+        prompts += [(Path(path).name, engine.encode(json.loads(line)["turns"][0])) for line in lines]
     runs = [*LLAMA_SETUPS, *(f"{label} `{method}`" for label, (_, methods) in ours.items() for method in methods)]
-    seconds = {name: 0.0 for name in runs}
-    tokens = dict.fromkeys(seconds, 0)
-    same = dict.fromkeys(seconds, 0)
+    totals = {}  # (dataset name or "all", run) -> [generation seconds, tokens counted, outputs identical to plain]
     with ExitStack() as stack:
         servers = {}
         for port, (name, extra) in enumerate(LLAMA_SETUPS.items(), start=8091):
             servers[name] = (start_server(args.llama_server, gguf, port, extra), port)
             stack.callback(servers[name][0].kill)
         for _, port in servers.values():  # warm-up
-            llama_cpp_run(port, prompt_ids[0], 8)
+            llama_cpp_run(port, prompts[0][1], 8)
         for our_engine, _ in ours.values():
-            our_engine.complete(prompt_ids[0], SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
-        for number, ids in enumerate(prompt_ids, start=1):
+            our_engine.complete(prompts[0][1], SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
+
+        def count(dataset: str, name: str, elapsed: float, counted: int, identical: bool) -> None:
+            for key in ((dataset, name), ("all", name)):
+                total = totals.setdefault(key, [0.0, 0, 0])
+                total[0], total[1], total[2] = total[0] + elapsed, total[1] + counted, total[2] + identical
+
+        for number, (dataset, ids) in enumerate(prompts, start=1):
             reference = None
             for name, (_, port) in servers.items():
                 output, elapsed, counted = llama_cpp_run(port, ids, args.max_tokens)
                 reference = reference or output
-                seconds[name], tokens[name] = seconds[name] + elapsed, tokens[name] + counted
-                same[name] += output == reference
+                count(dataset, name, elapsed, counted, output == reference)
             for label, (our_engine, methods) in ours.items():
                 plain = None
                 for method in methods:
-                    name = f"{label} `{method}`"
                     result = our_engine.complete(ids, sampling, SpecConfig(method))
                     plain = plain or result.token_ids
-                    seconds[name] += result.stats.total_seconds - result.stats.prefill_seconds
-                    tokens[name] += result.stats.new_tokens - 1  # the first token comes from prefill
-                    same[name] += result.token_ids == plain
-            print(f"prompt {number}/{len(prompt_ids)} done", flush=True)
+                    # the first token comes from prefill
+                    count(dataset, f"{label} `{method}`", result.stats.total_seconds - result.stats.prefill_seconds,
+                          result.stats.new_tokens - 1, result.token_ids == plain)
+            print(f"prompt {number}/{len(prompts)} done", flush=True)
         peaks = {name: peak_memory_gib(server) for name, (server, _) in servers.items()}
-    speed = {name: tokens[name] / seconds[name] for name in seconds}
-    base = speed["llama.cpp plain"]
-    print(f"{len(prompt_ids)} prompts of {args.dataset.name}, at most {args.max_tokens} tokens (natural ends), "
-          f"greedy, generation phase, 2 threads; ours: target --quant {args.quant} --dtype {args.dtype} "
-          f"(and bf16 where named), draft w4a8; {tokens[runs[2]] + len(prompt_ids)} tokens in our plain outputs")
-    print("| decoder | tok/s | x llama.cpp plain | identical to its own plain |")
-    print("|---|---|---|---|")
-    for name in runs:
-        print(f"| {name} | {speed[name]:.2f} | {speed[name] / base:.2f} | {same[name]}/{len(prompt_ids)} |")
-    print("llama-server peak resident memory: " + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in peaks.items()))
+    print(f"at most {args.max_tokens} tokens (natural ends), greedy, generation phase, 2 threads; ours: target "
+          f"--quant {args.quant} --dtype {args.dtype} (and bf16 where named), draft w4a8")
+    for dataset in [*dict.fromkeys(name for name, _ in prompts), "all"]:
+        prompt_count = sum(dataset in (name, "all") for name, _ in prompts)
+        base = totals[dataset, "llama.cpp plain"][1] / totals[dataset, "llama.cpp plain"][0]
+        print(f"\n{dataset}: {prompt_count} prompts, {totals[dataset, runs[2]][1] + prompt_count} tokens in our "
+              "plain outputs\n| decoder | tok/s | x llama.cpp plain | identical to its own plain |\n|---|---|---|---|")
+        for name in runs:
+            elapsed, counted, identical = totals[dataset, name]
+            print(f"| {name} | {counted / elapsed:.2f} | {counted / elapsed / base:.2f} | {identical}/{prompt_count} |")
+    print("\nllama-server peak resident memory: " + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in peaks.items()))
 
 
 if __name__ == "__main__":
