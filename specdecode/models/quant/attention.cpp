@@ -108,30 +108,37 @@ struct GroupRow {
   float* out;
 };
 
+// f(r, first, count, h0, G) for every tile [first, first + count) of slots that row r sees, tile by tile with
+// every row in turn, and every pass of G heads from h0 (G a compile-time count).
+template <typename F>
+void each_tile(const std::vector<GroupRow>& rows, int64_t most, int64_t heads, int64_t per_pass, F f) {
+  for (int64_t first = 0; first < most; first += kSlotTile) {
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int64_t count = std::min(rows[r].n, first + kSlotTile) - first;
+      for (int64_t h0 = 0; h0 < heads && count > 0; h0 += per_pass) {
+        with_heads(std::min(per_pass, heads - h0), [&](auto g) { f(r, first, count, h0, g); });
+      }
+    }
+  }
+}
+
 // Attention for rows that list the same slots up to each one's own n (a causal block: prefixes of one list), or
 // for one row: scores tile by tile, each row's softmax, then weighted values tile by tile. Every row's sums run
 // in its slots' order whatever the tiling and whoever shares the block, so its bits are its own.
 template <typename C>
 void attend_block(const std::vector<GroupRow>& rows, int64_t heads, const C* keys, const C* values, int64_t dim,
-                  float scale, std::vector<float>& probs, std::vector<float>& sums) {
+                  float scale, std::vector<float>& probs, std::vector<float>& sums, std::vector<float>& inverse) {
   int64_t most = 0;
   for (const GroupRow& row : rows) most = std::max(most, row.n);
   const int64_t padded = (most + 15) / 16 * 16, passes = (heads + kMaxHeads - 1) / kMaxHeads;
   const int64_t per_pass = (heads + passes - 1) / passes;  // heads split evenly: 7 = 4 + 3, not 6 + 1
   probs.assign(rows.size() * heads * padded, 0.f);  // [R, heads, padded]
   sums.assign(rows.size() * heads * dim, 0.f);  // [R, heads, D]
-  for (int64_t first = 0; first < most; first += kSlotTile) {
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const int64_t count = std::min(rows[r].n, first + kSlotTile) - first;
-      for (int64_t h0 = 0; h0 < heads && count > 0; h0 += per_pass) {
-        with_heads(std::min(per_pass, heads - h0), [&](auto g) {
-          head_scores<C, decltype(g)::value>(rows[r].queries + h0 * dim, keys, rows[r].slots + first, count, dim,
-                                              scale, probs.data() + (r * heads + h0) * padded + first, padded);
-        });
-      }
-    }
-  }
-  std::vector<float> inverse(rows.size() * heads);
+  each_tile(rows, most, heads, per_pass, [&](size_t r, int64_t first, int64_t count, int64_t h0, auto g) {
+    head_scores<C, decltype(g)::value>(rows[r].queries + h0 * dim, keys, rows[r].slots + first, count, dim, scale,
+                                        probs.data() + (r * heads + h0) * padded + first, padded);
+  });
+  inverse.resize(rows.size() * heads);
   for (size_t r = 0; r < rows.size(); ++r) {
     const int64_t n = rows[r].n, row_padded = (n + 15) / 16 * 16;
     for (int64_t h = 0; h < heads; ++h) {
@@ -149,17 +156,10 @@ void attend_block(const std::vector<GroupRow>& rows, int64_t heads, const C* key
       inverse[r * heads + h] = 1.f / reduce_add(total);
     }
   }
-  for (int64_t first = 0; first < most; first += kSlotTile) {
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const int64_t count = std::min(rows[r].n, first + kSlotTile) - first;
-      for (int64_t h0 = 0; h0 < heads && count > 0; h0 += per_pass) {
-        with_heads(std::min(per_pass, heads - h0), [&](auto g) {
-          head_sums<C, decltype(g)::value>(probs.data() + (r * heads + h0) * padded + first, padded, values,
-                                           rows[r].slots + first, count, dim, sums.data() + (r * heads + h0) * dim);
-        });
-      }
-    }
-  }
+  each_tile(rows, most, heads, per_pass, [&](size_t r, int64_t first, int64_t count, int64_t h0, auto g) {
+    head_sums<C, decltype(g)::value>(probs.data() + (r * heads + h0) * padded + first, padded, values,
+                                     rows[r].slots + first, count, dim, sums.data() + (r * heads + h0) * dim);
+  });
   for (size_t r = 0; r < rows.size(); ++r) {
     for (int64_t h = 0; h < heads; ++h) {
       const V factor = vset1(inverse[r * heads + h]);
@@ -203,7 +203,7 @@ void attend_typed(const float* qkv, const std::vector<C*>& keys, const std::vect
   at::parallel_for(0, batch * hs.kv_heads * blocks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<int64_t> prefix, slots;  // slots: the list of a row that sees no prefix
     std::vector<GroupRow> causal, single(1);
-    std::vector<float> probs, sums;
+    std::vector<float> probs, sums, inverse;  // attend_block's scratch, reused across units
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (hs.kv_heads * blocks), g = u / blocks % hs.kv_heads, first = u % blocks * block;
       const int64_t last = std::min(new_tokens, first + block);  // rows [first, last) of sequence b
@@ -223,9 +223,9 @@ void attend_typed(const float* qkv, const std::vector<C*>& keys, const std::vect
         for (int64_t s = 0; s < seen; ++s) if (visible[r * seen + s]) slots.push_back(s);
         row.slots = slots.data(), row.n = (int64_t)slots.size();
         single[0] = row;
-        attend_block(single, group, k, v, hs.dim, scale, probs, sums);
+        attend_block(single, group, k, v, hs.dim, scale, probs, sums, inverse);
       }
-      if (!causal.empty()) attend_block(causal, group, k, v, hs.dim, scale, probs, sums);
+      if (!causal.empty()) attend_block(causal, group, k, v, hs.dim, scale, probs, sums, inverse);
     }
   });
 }
