@@ -56,6 +56,11 @@ def dflash_folder(target: str | None) -> Path:
     return cache_dir() / "dflash" / model_label(target or DEFAULT_TARGET)
 
 
+def dspark_folder(target: str | None) -> Path:
+    """Where `specdecode train dspark` writes a DSpark drafter for `target` by default."""
+    return cache_dir() / "dspark" / model_label(target or DEFAULT_TARGET)
+
+
 def features_folder(target: str | None) -> Path:
     """Where `specdecode train` keeps the target's features by default, shared by every drafter kind."""
     return cache_dir() / "features" / model_label(target or DEFAULT_TARGET)

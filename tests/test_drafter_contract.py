@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, save_tiny_model
 from eagle3_reference import head_config, random_head, write_head
-from dflash_drafters import write_random_dflash
+from dflash_drafters import write_random_dflash, write_random_dspark
 from mtp_reference import add_mtp_layers
 from batched_runs import run_batched
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
@@ -65,20 +65,22 @@ def eagle3_head(folder, target, vocab: int):
 
 
 def drafter_folders(root, target, vocab: int) -> dict[str, object]:
-    """Method -> folder for the drafters with weights of their own: an EAGLE-3 head and a DFlash drafter (over a
-    tiny vocabulary random drafts are right by chance; over 272 tokens it leans to the target's favourite)."""
+    """Method -> folder for the drafters with weights of their own: an EAGLE-3 head, a DFlash and a DSpark drafter
+    (over a tiny vocabulary random drafts are right by chance; over 272 tokens they lean to the target's
+    favourite)."""
     favour = None
     if vocab > 16:
         emitted = [t for p in PROMPTS for t in Engine(target).complete(p, greedy()).token_ids]
         favour = max(set(emitted), key=emitted.count)
     return {"eagle3": eagle3_head(root / "eagle3", target, vocab),
-            "dflash": write_random_dflash(root / "dflash", target, scale=0.05, favour=favour)}
+            "dflash": write_random_dflash(root / "dflash", target, scale=0.05, favour=favour),
+            "dspark": write_random_dspark(root / "dspark", target, scale=0.05, favour=favour, confidence_bias=0.5)}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """The target (shipping an MTP module), a noisy copy as the draft model, the target's folder, and the
-    folders of drafters with weights of their own (an EAGLE-3 head, a DFlash drafter) for it."""
+    folders of drafters with weights of their own (an EAGLE-3 head, a DFlash and a DSpark drafter) for it."""
     root = tmp_path_factory.mktemp("contract")
     add_mtp_layers(save_tiny_model(root / "target", "qwen2", scale=0.15), "deepseek", follow=1.0)
     target = load_model(root / "target", dtype="float32")

@@ -1,4 +1,4 @@
-"""`specdecode train eagle3|mtp|dflash [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
+"""`specdecode train eagle3|mtp|dflash|dspark [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
 
 Two phases, both resumable (run the same command again): the target's features of text built from Python's
 standard library (its own answers to prompts made from documented functions, and the library's source), kept
@@ -6,7 +6,8 @@ in a features folder that every drafter kind reads (CACHE/features/TARGET by def
 and the target runs once); then the training-time test over them (training/loop.py), with held-out acceptance
 on the progress bar and a checkpoint every --eval-every sequences. eagle3 writes a head in the reference
 layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target);
-dflash writes a DFlash drafter in z-lab's layout (training/dflash_train.py: anchored blocks, not the unroll).
+dflash writes a DFlash drafter in z-lab's layout (training/dflash_train.py: anchored blocks, not the unroll);
+dspark a DSpark drafter in DeepSpec's layout (training/dspark_train.py: the same blocks, with its two heads).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.auto_method import dflash_folder, features_folder, head_folder, mtp_folder
+from specdecode.auto_method import dflash_folder, dspark_folder, features_folder, head_folder, mtp_folder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
-KINDS = ("eagle3", "mtp", "dflash")
-DEFAULT_OUT = {"eagle3": head_folder, "mtp": mtp_folder, "dflash": dflash_folder}
+KINDS = ("eagle3", "mtp", "dflash", "dspark")
+DEFAULT_OUT = {"eagle3": head_folder, "mtp": mtp_folder, "dflash": dflash_folder, "dspark": dspark_folder}
+BLOCK_KINDS = ("dflash", "dspark")
 
 
 def add_parser(commands) -> None:
@@ -50,11 +52,17 @@ def add_parser(commands) -> None:
                        help="the head's MLP width (default: half the target's, to fit a CPU hour; published heads "
                        "use the target's)")
     train.add_argument("--num-layers", type=int,
-                       help="mtp: modules to train (default 1; draft step k uses module min(k, K-1)); dflash: draft "
-                       "layers (default 2)")
+                       help="mtp: modules to train (default 1; draft step k uses module min(k, K-1)); dflash, "
+                       "dspark: draft layers (default 2)")
     train.add_argument("--block-size", type=int, default=8,
-                       help="dflash: slots per block, the root included (default 8: on a CPU each verified row costs)")
-    train.add_argument("--anchors", type=int, default=16, help="dflash: blocks per training sequence (default 16)")
+                       help="dflash, dspark: slots per block, the root included (default 8: on a CPU each verified "
+                       "row costs; a DSpark block drafts all of them)")
+    train.add_argument("--anchors", type=int, default=16,
+                       help="dflash, dspark: blocks per training sequence (default 16)")
+    train.add_argument("--markov-rank", type=int, default=256,
+                       help="dspark: the Markov head's rank (default 256, as DeepSpec; 0 = none)")
+    train.add_argument("--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla",
+                       help="dspark: the Markov head's kind (default vanilla, as DeepSpec's released drafters)")
     train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-4)
@@ -76,10 +84,12 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 < args.lr < 1:
         raise SpecDecodeError(f"--lr must be in (0, 1), got {args.lr}")
     if args.num_layers is not None and (args.kind == "eagle3" or args.num_layers < 1):
-        raise SpecDecodeError("--num-layers is for train mtp and dflash, and at least 1")
+        raise SpecDecodeError("--num-layers is for train mtp, dflash and dspark, and at least 1")
+    if args.markov_rank < 0:
+        raise SpecDecodeError(f"--markov-rank must be >= 0, got {args.markov_rank}")
     if args.kind == "mtp" and args.intermediate_size is not None:
-        raise SpecDecodeError("--intermediate-size is for train eagle3 and dflash (an MTP module keeps the target's "
-                              "layer shape)")
+        raise SpecDecodeError("--intermediate-size is for train eagle3, dflash and dspark (an MTP module keeps the "
+                              "target's layer shape)")
     if not 2 <= args.block_size <= 33:
         raise SpecDecodeError(f"--block-size must be 2..33, got {args.block_size}")
 
@@ -105,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings
     from specdecode.training.dflash_train import train_dflash
+    from specdecode.training.dspark_train import train_dspark
     from specdecode.training.mtp_train import train_mtp
 
     check_device(args.device)
@@ -127,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
                    args.max_len, args.quiet)
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
     settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind != "mtp" else None,
-                             modules=args.num_layers or (2 if args.kind == "dflash" else 1), steps=args.unroll,
-                             block_size=args.block_size, anchors=args.anchors, epochs=args.epochs, lr=args.lr,
+                             modules=args.num_layers or (2 if args.kind in BLOCK_KINDS else 1), steps=args.unroll,
+                             block_size=args.block_size, anchors=args.anchors, markov_rank=args.markov_rank,
+                             markov_kind=args.markov_head, epochs=args.epochs, lr=args.lr,
                              eval_every=args.eval_every, device=args.device)
     curve_file = out / "learning_curve.jsonl"
 
@@ -136,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
-    train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash}[args.kind]
+    train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash, "dspark": train_dspark}[args.kind]
     result = train(target, features, out, settings, args.quiet, record)
     rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
     print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
@@ -148,8 +160,8 @@ def _usage(args: argparse.Namespace, out: Path) -> str:
     if args.kind == "eagle3":
         auto = " (or --spec-type auto, which looks here)" if out == head_folder(args.target) else ""
         return f"specdecode generate \"...\" --model {args.target} --spec-type eagle3 --draft-model {out}{auto}"
-    if args.kind == "dflash":
-        return f"specdecode generate \"...\" --model {args.target} --spec-type dflash --draft-model {out}"
+    if args.kind in BLOCK_KINDS:
+        return f"specdecode generate \"...\" --model {args.target} --spec-type {args.kind} --draft-model {out}"
     model = next(iter(sorted(out.glob("*-mtp.gguf"))), out)  # the GGUF file keeps the target's own quantization
     return (f"specdecode generate \"...\" --model {model} --spec-type mtp --mtp-draft-vocab {args.draft_vocab} "
             "(the vocabulary it was trained to draft over)")

@@ -40,6 +40,25 @@ class DFlashOptions:
                                   f"got {self.dflash_block_size}")
 
 
+def shared_weights(resources: DrafterResources, method: str, what: str, load) -> DFlashModel:
+    """The block drafter in the folder given for `method`, loaded by `load(path, target, positions)` once per
+    Engine (configurations that differ only in options, such as the block size, share it) and quantized as the
+    drafter's weights are asked to be."""
+    from specdecode.models.quant.quantize_module import quantize_linears
+
+    path = resources.path_for(method)
+    if path is None:
+        raise SpecDecodeError(f"method '{method}' needs {what}: --draft-model PATH (a folder with config.json and "
+                              "safetensors weights)")
+    key = f"{method}:{path}"
+    if key not in resources.own_weights:
+        model, description = load(path, resources.target.model, resources.context_limit + MAX_DRAFT_TOKENS + 2)
+        quantized = quantize_linears(model, resources.draft_quant)
+        log.info("%s%s", description, f"; {quantized} layers in {resources.draft_quant}" if quantized else "")
+        resources.own_weights[key] = model
+    return resources.own_weights[key]
+
+
 @dataclass
 class DFlashState:
     cache: KVCache  # context keys and values of positions 0..fed-1 in every draft layer
@@ -64,20 +83,8 @@ class DFlashDrafter(Drafter):
     @classmethod
     def create(cls, resources: DrafterResources, options: DFlashOptions) -> DFlashDrafter:
         from specdecode.models.formats.dflash_checkpoint import load_dflash
-        from specdecode.models.quant.quantize_module import quantize_linears
 
-        path = resources.path_for("dflash")
-        if path is None:
-            raise SpecDecodeError("method 'dflash' needs a DFlash drafter: --draft-model PATH (a folder with "
-                                  "config.json and safetensors weights)")
-        key = f"dflash:{path}"
-        if key not in resources.own_weights:  # another configuration (another block size) may have loaded it
-            model, description = load_dflash(path, resources.target.model,
-                                             resources.context_limit + MAX_DRAFT_TOKENS + 2)
-            quantized = quantize_linears(model, resources.draft_quant)
-            log.info("%s%s", description, f"; {quantized} layers in {resources.draft_quant}" if quantized else "")
-            resources.own_weights[key] = model
-        return cls(resources.own_weights[key], options)
+        return cls(shared_weights(resources, "dflash", "a DFlash drafter", load_dflash), options)
 
     def max_nodes(self, budget: int) -> int:
         return min(budget, self.block - 1)

@@ -128,19 +128,28 @@ class DFlashModel(nn.Module):
         """tokens [N] -> [N, H]: the target's embedding, scaled as the config says."""
         return self._shared["embed"](tokens).to(self.dtype) * self.config.input_embedding_scale
 
-    def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32
-        for slots 1..B-1 (the context is left as it was)."""
+    def block_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B] (the root, then masks) at positions [B] over the cached context -> [B, H], every slot after
+        the output norm (the context is left as it was)."""
         x = self.embed_block(tokens)  # [B, H]
         cos, sin = self.rope.lookup(positions.view(1, -1))  # [1, 1, B, D/2]
         used = cache.lengths[0]
         for index, layer in enumerate(self.layers):
             mask = self._mask(index, cache.positions[0, :used], positions)
             x = layer(x, cos, sin, cache.keys[index, :, :, :used], cache.values[index, :, :, :used], mask)
-        logits = self._shared["head"](self.norm(x[1:])).float() * self.config.output_multiplier  # [B-1, V]
+        return self.norm(x)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] after the output norm -> logits [N, V] float32 through the target's head."""
+        logits = self._shared["head"](hidden).float() * self.config.output_multiplier  # [N, V]
         if self.config.logit_softcap:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         return logits
+
+    def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32
+        for slots 1..B-1, the drafting slots in z-lab's convention."""
+        return self.head_logits(self.block_hidden(tokens, positions, cache)[1:])
 
     def _mask(self, layer: int, context_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """[B, C+B] bool: what each block slot sees in layer `layer` (None: everything)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,15 +31,17 @@ from specdecode.models.rope import apply_rope
 from specdecode.training.eagle3_train import default_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
 from specdecode.training.from_target import dense_weight
-from specdecode.training.loop import Trainee, TrainSettings, train_drafter
+from specdecode.training.loop import Trainee, TrainSettings, bf16_fast, train_drafter
 from specdecode.training.ttt import UnrollResult
 
 DECAY = 4.0  # slot j's loss weighs exp(-(j-1)/DECAY), as DeepSpec's and speculators' recipes
 
 
-def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int) -> DFlashModel:
+def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int,
+               make: Callable[[DFlashConfig], DFlashModel] | None = None) -> DFlashModel:
     """`settings.modules` layers starting from the target's last ones (attention and norms; the MLP too when its
-    width is the target's), the fc random, the output norm the target's."""
+    width is the target's), the fc random, the output norm the target's; `make(config)` builds the model (a
+    DSpark drafter adds its heads), else a DFlash drafter."""
     tc = target.config
     layer = ModelConfig(architecture="qwen3", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
                         intermediate_size=settings.intermediate_size or tc.intermediate_size,
@@ -51,7 +54,7 @@ def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int) ->
                           target_hidden_size=tc.hidden_size, causal_layers=(False,) * settings.modules,
                           windows=(None,) * settings.modules)
     torch.manual_seed(settings.seed)
-    model = DFlashModel(config, target.model.embed, target.model.lm_head)
+    model = make(config) if make else DFlashModel(config, target.model.embed, target.model.lm_head)
     trunk = target.model
     q_rows = tc.num_heads * tc.head_dim
     with torch.no_grad():
@@ -83,47 +86,82 @@ def block_objective(model: DFlashModel, columns: torch.Tensor, rows: torch.Tenso
 
     def objective(shard: Shard, target_to_draft: torch.Tensor) -> UnrollResult:
         length = shard.tokens.numel()
-        starts = choose_anchors(shard, anchors, block)  # [A]
-        count = starts.numel()
-        slots = torch.arange(block, device=device)  # [B]
-        positions = starts.view(-1, 1) + slots  # [A, B]
-        inside = positions < length  # [A, B]: slots past the sequence's end learn nothing
-        tokens = torch.full((count, block), model.config.mask_token_id, dtype=torch.long, device=device)  # [A, B]
-        tokens[:, 0] = shard.tokens[starts]
-        x = model.embed_block(tokens.flatten())  # [A*B, H]
-        context = model.hidden_norm(model.fc(shard.hidden[:, columns].to(model.dtype)))  # [T, H]
-        mask = _block_mask(starts, length, block)  # [A*B, T + A*B]
-        cos_ctx, sin_ctx = model.rope.lookup(torch.arange(length, device=device).view(1, -1))
-        cos, sin = model.rope.lookup(positions.view(1, -1))  # [1, 1, A*B, D/2]
-        for layer in model.layers:
-            normed = layer.attn_norm(x)
-            q = layer.q(normed).view(-1, layer.heads, layer.dim)  # [A*B, h, D]
-            q = apply_rope(layer.q_norm(q).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, h, A*B, D]
-            k_ctx, v_ctx = layer.keys_values(context, cos_ctx, sin_ctx)  # [1, hkv, T, D]
-            k_blk, v_blk = layer.keys_values(normed, cos, sin)  # [1, hkv, A*B, D]
-            group = layer.heads // layer.kv_heads
-            keys = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(group, dim=1)  # [1, h, T+A*B, D]
-            values = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(group, dim=1)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, h, A*B, D]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(-1, layer.heads * layer.dim))
-            x = x + layer.mlp(layer.mlp_norm(x))
-        out = model.norm(x).view(count, block, -1)[:, 1:]  # [A, B-1, H]: the drafting slots
+        blocks = anchored_blocks(model, columns, shard, anchors)
+        out = blocks.hidden[:, 1:]  # [A, B-1, H]: the drafting slots
         logits = (out @ rows.T.to(out.dtype)).float()  # [A, B-1, V]
-        label_at = (positions[:, 1:] - 1).clamp_max(length - 1)  # [A, B-1]: the target's row for slot j's token
-        valid = inside[:, 1:] & shard.loss_mask[label_at]  # [A, B-1]
-        weights = shard.top_logprobs[label_at].exp()  # [A, B-1, K]
-        weights = weights / weights.sum(-1, keepdim=True)
+        label_at = (blocks.positions[:, 1:] - 1).clamp_max(length - 1)  # [A, B-1]: the target's row for slot j
+        valid = blocks.inside[:, 1:] & shard.loss_mask[label_at]  # [A, B-1]
         log_q = torch.log_softmax(logits, dim=-1)  # [A, B-1, V]
-        per_slot = -(weights * log_q.gather(-1, shard.top_ids[label_at])).sum(-1)  # [A, B-1]
+        per_slot = soft_cross_entropy(log_q, shard, label_at)  # [A, B-1]
         decay = torch.exp(-torch.arange(block - 1, device=device) / DECAY)  # [B-1]
         loss = (per_slot * valid * decay).sum() / valid.sum().clamp_min(1)
-        hits = (log_q.argmax(-1) == shard.top_ids[label_at][..., 0]) & valid  # [A, B-1]
-        chained = hits.int().cumprod(dim=1).bool()  # a slot counts once every slot before it was right
-        reached = valid.int().cumprod(dim=1).bool()
+        correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = [logits.detach()] if keep_logits else []
-        return UnrollResult(loss, chained.sum(0).tolist(), reached.sum(0).tolist(), kept)
+        return UnrollResult(loss, correct, counted, kept)
 
     return objective
+
+
+@dataclass
+class AnchoredBlocks:
+    hidden: torch.Tensor  # [A, B, H] every slot's output after the output norm
+    positions: torch.Tensor  # [A, B] each slot's position
+    inside: torch.Tensor  # [A, B] bool: the slot's position lies inside the sequence
+
+
+def anchored_blocks(model: DFlashModel, columns: torch.Tensor, shard: Shard, anchors: int) -> AnchoredBlocks:
+    """A sequence's anchored blocks [x_a, MASK x (B-1)] through the backbone in one forward: each block sees
+    the target's context strictly before its anchor, and its own slots (not the other blocks)."""
+    block, device = model.config.block_size, model.device
+    length = shard.tokens.numel()
+    starts = choose_anchors(shard, anchors, block)  # [A]
+    count = starts.numel()
+    positions = starts.view(-1, 1) + torch.arange(block, device=device)  # [A, B]
+    tokens = torch.full((count, block), model.config.mask_token_id, dtype=torch.long, device=device)  # [A, B]
+    tokens[:, 0] = shard.tokens[starts]
+    x = model.embed_block(tokens.flatten())  # [A*B, H]
+    context = model.hidden_norm(model.fc(shard.hidden[:, columns].to(model.dtype)))  # [T, H]
+    mask = _block_mask(starts, length, block)  # [A*B, T + A*B]
+    cos_ctx, sin_ctx = model.rope.lookup(torch.arange(length, device=device).view(1, -1))
+    cos, sin = model.rope.lookup(positions.view(1, -1))  # [1, 1, A*B, D/2]
+    for layer in model.layers:
+        normed = layer.attn_norm(x)
+        q = layer.q(normed).view(-1, layer.heads, layer.dim)  # [A*B, h, D]
+        q = apply_rope(layer.q_norm(q).transpose(0, 1).unsqueeze(0), cos, sin)  # [1, h, A*B, D]
+        k_ctx, v_ctx = layer.keys_values(context, cos_ctx, sin_ctx)  # [1, hkv, T, D]
+        k_blk, v_blk = layer.keys_values(normed, cos, sin)  # [1, hkv, A*B, D]
+        group = layer.heads // layer.kv_heads
+        keys = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(group, dim=1)  # [1, h, T+A*B, D]
+        values = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(group, dim=1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, h, A*B, D]
+        x = x + layer.o(attn[0].transpose(0, 1).reshape(-1, layer.heads * layer.dim))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    return AnchoredBlocks(model.norm(x).view(count, block, -1), positions, positions < length)
+
+
+def soft_cross_entropy(log_q: torch.Tensor, shard: Shard, label_at: torch.Tensor) -> torch.Tensor:
+    """log_q [A, S, V] the drafter's log-probabilities, label_at [A, S] the target's row for each slot's token ->
+    [A, S] cross-entropy against the target's top-K, renormalized."""
+    weights = shard.top_logprobs[label_at].exp()  # [A, S, K]
+    weights = weights / weights.sum(-1, keepdim=True)
+    return -(weights * log_q.gather(-1, shard.top_ids[label_at])).sum(-1)
+
+
+def chained_hits(drafts: torch.Tensor, shard: Shard, label_at: torch.Tensor, valid: torch.Tensor
+                 ) -> tuple[list[int], list[int]]:
+    """drafts [A, S] the drafter's greedy tokens -> per slot, (accepted, reached) counts: a slot counts once every
+    slot before it named the target's own token, as verification would."""
+    hits = (drafts == shard.top_ids[label_at][..., 0]) & valid  # [A, S]
+    chained = hits.int().cumprod(dim=1).bool()
+    reached = valid.int().cumprod(dim=1).bool()
+    return chained.sum(0).tolist(), reached.sum(0).tolist()
+
+
+def head_rows(target: LoadedModel, draft_ids: torch.Tensor, device: str) -> torch.Tensor:
+    """The target's output rows [V, H] for the loss, in bf16 where bf16 matmuls are fast, else float32 (a bf16
+    matmul without AVX-512 is compute-bound, and converting the rows at every step costs more)."""
+    dtype = torch.bfloat16 if bf16_fast(device) else torch.float32
+    return target.model.output_rows(draft_ids).to(device=device, dtype=dtype)
 
 
 def choose_anchors(shard: Shard, anchors: int, block: int) -> torch.Tensor:
@@ -160,7 +198,7 @@ def train_dflash(target: LoadedModel, features: Path, out: Path, settings: Train
     def build(draft_ids: torch.Tensor) -> Trainee:
         model = new_dflash(target, settings, settings.block_size)
         model.finish_loading(max_positions(features) + settings.block_size)
-        rows = target.model.output_rows(draft_ids).to(device=settings.device, dtype=torch.bfloat16)  # [V, H]
+        rows = head_rows(target, draft_ids, settings.device)  # [V, H]
         return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors),
                        lambda folder: save_dflash(model, folder, target.config))
 

@@ -27,8 +27,10 @@ class TrainSettings:
     draft_vocab: int = 32000  # tokens the drafter drafts over (its loss and output rows)
     intermediate_size: int | None = None  # an EAGLE-3 head's MLP width (None: the target's)
     modules: int = 1  # MTP modules, or DFlash layers, to train
-    block_size: int = 8  # DFlash: slots per block, the root included
-    anchors: int = 16  # DFlash: blocks per training sequence
+    block_size: int = 8  # DFlash and DSpark: slots per block, the root included
+    anchors: int = 16  # DFlash and DSpark: blocks per training sequence
+    markov_rank: int = 256  # DSpark: the Markov head's rank (0: none)
+    markov_kind: str = "vanilla"  # DSpark: vanilla, gated or rnn
     steps: int = 3  # unrolled draft steps (training-time test)
     epochs: int = 2
     lr: float = 3e-4
@@ -42,7 +44,7 @@ class TrainSettings:
 class Trainee:
     """What a drafter kind hands the loop."""
 
-    kind: str  # "eagle3", "mtp", "dflash": names the progress bar and the checkpoint's settings
+    kind: str  # "eagle3", "mtp", "dflash", "dspark": names the progress bar and the checkpoint's settings
     module: nn.Module  # the weights trained and checkpointed
     # One sequence's loss and per-draft-position hits: (shard, target_to_draft [V]) -> UnrollResult
     objective: Callable[[Shard, torch.Tensor], UnrollResult]
@@ -89,7 +91,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=settings.device)  # [V]
     target_to_draft[draft_ids.to(settings.device)] = torch.arange(draft_ids.numel(), device=settings.device)
     autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
-                              enabled=_bf16_fast(settings.device))
+                              enabled=bf16_fast(settings.device))
     order = [path for epoch in range(settings.epochs) for path in _shuffled(train_files, settings.seed + epoch)]
     measured = evaluate(trainee.objective, held_out, target_to_draft, settings, autocast) if step == 0 \
         else state["measured"]
@@ -170,7 +172,7 @@ def _to(shard: Shard, device: str) -> Shard:
                                            shard.loss_mask)))
 
 
-def _bf16_fast(device: str) -> bool:
+def bf16_fast(device: str) -> bool:
     from specdecode.models.loader import resolve_dtype
 
     return resolve_dtype("auto", device) == torch.bfloat16

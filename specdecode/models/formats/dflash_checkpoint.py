@@ -42,7 +42,7 @@ def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tu
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
-    load_checked(model, _our_tensors(FolderWeights(files), folder), folder, "DFlash drafter")
+    load_checked(model, our_tensors(FolderWeights(files), folder), folder, "DFlash drafter")
     model.to(dtype=target.dtype, device=target.device)
     model.finish_loading(max_positions)
     model.requires_grad_(False)
@@ -77,7 +77,7 @@ def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:
     if layer.hidden_size != target.hidden_size or layer.vocab_size != target.vocab_size:
         mismatch.append(f"hidden size {layer.hidden_size} and vocabulary {layer.vocab_size} against the target's "
                         f"{target.hidden_size} and {target.vocab_size}")
-    if not all(0 <= i < target.num_layers for i in ids):
+    if not all(-1 <= i < target.num_layers for i in ids):  # -1: the embedding's output (DeepSpec's ids)
         mismatch.append(f"target layers {list(ids)} are not all below {target.num_layers}")
     if mismatch:
         raise SpecDecodeError(f"{folder} was not trained for this target: {'; '.join(mismatch)}")
@@ -106,26 +106,28 @@ def default_target_layer_ids(target_layers: int, draft_layers: int) -> tuple[int
     return tuple(round(1 + i * span / (draft_layers - 1)) for i in range(draft_layers))
 
 
-def _our_tensors(weights: FolderWeights, folder: Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor under our module's names (k/v and gate/up stacked)."""
+def our_tensors(weights: FolderWeights, folder: Path, own_prefixes: tuple[str, ...] = (),
+                what: str = "DFlash drafter") -> dict[str, torch.Tensor]:
+    """Every stored tensor under our module's names (k/v and gate/up stacked); names under `own_prefixes` (a
+    DSpark drafter's heads) are ours as stored."""
     ours: dict[str, torch.Tensor] = {}
     local: dict[tuple[str, str], str] = {}  # (layer index, name inside the layer) -> stored name
     for stored in sorted(weights.names()):  # FolderWeights already dropped a leading "model."
         name = next((new + stored[len(old):] for old, new in ALIASES.items() if stored.startswith(old)), stored)
         if name in SHARED_COPIES:
             continue
-        if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+        if name in ("fc.weight", "hidden_norm.weight", "norm.weight") or name.startswith(own_prefixes):
             ours[name] = weights.get(stored)
         elif name.startswith("layers.") and name.count(".") >= 2:
             _, index, inner = name.split(".", 2)
             local[(index, inner)] = stored
         else:
-            raise SpecDecodeError(f"{folder}: unknown tensor {stored!r} for a DFlash drafter")
+            raise SpecDecodeError(f"{folder}: unknown tensor {stored!r} for a {what}")
     for (index, inner), stored in local.items():
         if inner in LAYER_NAMES:
             ours[f"layers.{index}.{LAYER_NAMES[inner]}"] = weights.get(stored)
         elif not any(inner.startswith(part + ".") for parts in STACKED.values() for part in parts):
-            raise SpecDecodeError(f"{folder}: unknown tensor {stored!r} for a DFlash drafter")
+            raise SpecDecodeError(f"{folder}: unknown tensor {stored!r} for a {what}")
     for index in sorted({index for index, _ in local}):
         for ours_name, parts in STACKED.items():
             for kind in ("weight", "bias"):
@@ -140,8 +142,20 @@ def _our_tensors(weights: FolderWeights, folder: Path) -> dict[str, torch.Tensor
 def save_dflash(model: DFlashModel, folder: Path, target: ModelConfig) -> Path:
     """Write `model` in z-lab's layout (what vLLM, SGLang and the reference read)."""
     config, layer = model.config, model.config.layer
+    hf = layer.to_hf() | {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                          "attention_bias": layer.qkv_bias, "block_size": config.block_size,
+                          "num_target_layers": target.num_layers, "layer_types": ["full_attention"] * layer.num_layers,
+                          "dflash_config": {"target_layer_ids": list(config.target_layer_ids),
+                                            "mask_token_id": config.mask_token_id, "block_size": config.block_size}}
+    return write_drafter_folder(folder, published_tensors(model), hf, "the DFlash drafter")
+
+
+def published_tensors(model: DFlashModel) -> dict[str, torch.Tensor]:
+    """The model's tensors under the published names (k/v and gate/up split again); tensors outside the DFlash
+    body (a DSpark drafter's heads) keep their names."""
+    layer = model.config.layer
     ours = {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
-    published = {name: ours.pop(name) for name in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+    published = {name: ours.pop(name) for name in list(ours) if not name.startswith("layers.")}
     by_ours = {mine: theirs for theirs, mine in LAYER_NAMES.items()}
     kv_rows = layer.num_kv_heads * layer.head_dim
     for name, tensor in ours.items():
@@ -157,9 +171,4 @@ def save_dflash(model: DFlashModel, folder: Path, target: ModelConfig) -> Path:
             published[prefix + f"mlp.gate_proj.{kind}"], published[prefix + f"mlp.up_proj.{kind}"] = gate, up
         else:
             published[prefix + by_ours[inner]] = tensor
-    hf = layer.to_hf() | {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-                          "attention_bias": layer.qkv_bias, "block_size": config.block_size,
-                          "num_target_layers": target.num_layers, "layer_types": ["full_attention"] * layer.num_layers,
-                          "dflash_config": {"target_layer_ids": list(config.target_layer_ids),
-                                            "mask_token_id": config.mask_token_id, "block_size": config.block_size}}
-    return write_drafter_folder(folder, published, hf, "the DFlash drafter")
+    return published

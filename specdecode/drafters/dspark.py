@@ -1,0 +1,105 @@
+"""DSpark: DFlash's block drafting (drafters/dflash.py) with DeepSpec's slot convention, a Markov head and a
+confidence cut (models/dspark_model.py).
+
+The drafter's context is DFlash's: the target's states of every committed position but the last, as keys and
+values in every draft layer. A proposal is one backbone forward of [last committed token, MASK x (B-1)] at the
+next B positions; every slot drafts (slot k the token after position root+k), one after another because slot
+k's Markov correction reads slot k-1's draft, each sampled from its own corrected law. Before slot k drafts, its
+confidence (read from its backbone output and the token before it, not from its own draft) is compared with
+`--dspark-confidence`: below it, the block stops there. That cut is a stopping rule, so the output is exactly
+plain decoding's either way; it only decides how many rows the target verifies, which on a CPU is the cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import MAX_DRAFT_TOKENS
+from specdecode.drafters.base import DrafterCaps, DrafterResources, option
+from specdecode.drafters.dflash import DFlashDrafter, shared_weights
+from specdecode.drafters.registry import register
+from specdecode.errors import SpecDecodeError
+from specdecode.models.dspark_model import DSparkModel
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.spec_types import DraftProposal, Sequence
+
+DEFAULT_CONFIDENCE = 0.3  # measured on the default target (docs/benchmarks/README.md, DSpark section)
+
+
+@dataclass(frozen=True)
+class DSparkOptions:
+    dspark_block_size: int = option(0, "slots per block, each drafting a token (0 = the drafter's own): fewer "
+                                    "rows to verify per step, at the cost of shorter drafts")
+    dspark_confidence: float = option(DEFAULT_CONFIDENCE, "stop a block at the first slot whose confidence of "
+                                      "being accepted is below this (0 = verify whole blocks; needs a drafter "
+                                      "with a confidence head); never changes the output")
+
+    def check(self) -> None:
+        if not 0 <= self.dspark_block_size <= MAX_DRAFT_TOKENS:
+            raise SpecDecodeError(f"dspark_block_size must be 0 (the drafter's own) or 1..{MAX_DRAFT_TOKENS}, "
+                                  f"got {self.dspark_block_size}")
+        if not 0 <= self.dspark_confidence < 1:
+            raise SpecDecodeError(f"dspark_confidence must be in [0, 1), got {self.dspark_confidence}")
+
+
+@register
+class DSparkDrafter(DFlashDrafter):
+    name = "dspark"
+    caps = DrafterCaps(emits_probs=True, block_size=8, draft_files=True)
+    Options = DSparkOptions
+    aliases = ("draft-dspark",)
+    vllm_method = "dspark"
+
+    def __init__(self, model: DSparkModel, options: DSparkOptions):
+        self.model = model
+        self.block = min(options.dspark_block_size or model.config.block_size, model.config.block_size)
+        self.threshold = options.dspark_confidence if model.confidence_head is not None else 0.0
+        # Every slot drafts, so the target verifies the root and `block` drafts: caps.block_size counts the root.
+        self.caps = DrafterCaps(hidden_layers=tuple(sorted(model.config.boundary_ids)), emits_probs=True,
+                                block_size=self.block + 1, draft_files=True)
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options: DSparkOptions) -> DSparkDrafter:
+        from specdecode.models.formats.dspark_checkpoint import load_dspark
+
+        return cls(shared_weights(resources, "dspark", "a DSpark drafter", load_dspark), options)
+
+    def max_nodes(self, budget: int) -> int:
+        return min(budget, self.block)
+
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        state = seq.drafter_state[self.name]
+        self._read_pending(state)
+        model, device = self.model, self.model.device
+        root = len(seq.tokens) - 1  # the last committed token's position: the block's slot 0
+        size = model.config.block_size  # the backbone always runs the block it was trained on
+        tokens = torch.full((size,), model.config.mask_token_id, dtype=torch.long, device=device)  # [B]
+        tokens[0] = seq.tokens[-1]
+        slots = self.max_nodes(budget)
+        drafts: list[int] = []
+        laws: list[torch.Tensor] = []  # [1, V] each: the law each draft was drawn from
+        with torch.inference_mode():
+            hidden = model.block_hidden(tokens, torch.arange(root, root + size, device=device), state.cache)[:slots]
+            base = model.head_logits(hidden)  # [n, V]
+            markov = model.start_state(1)  # [1, r]
+            previous = tokens[:1]  # [1]
+            for slot in range(slots):
+                if self.threshold and self._doubtful(hidden[slot : slot + 1], previous):
+                    seq.stats.note("dspark_confidence_cut", slots - slot)
+                    break
+                logits, markov = model.slot_logits(base[slot : slot + 1], hidden[slot : slot + 1], previous, markov)
+                if seq.sampling.greedy:
+                    previous = logits.argmax(dim=-1)  # [1]
+                else:
+                    laws.append(logits_to_probs(logits, seq.sampling))
+                    previous = sample(laws[-1], seq.generator)
+                drafts.append(int(previous))
+        if not drafts:
+            return DraftProposal.empty(self.name)
+        return DraftProposal.chain(drafts, torch.cat(laws) if laws else None, self.name)
+
+    def _doubtful(self, hidden: torch.Tensor, previous: torch.Tensor) -> bool:
+        """Whether the slot's estimated chance of acceptance (hidden [1, H], previous [1]) is below the threshold."""
+        return bool(torch.sigmoid(self.model.confidence_logits(hidden, previous)) < self.threshold)
