@@ -164,3 +164,29 @@ def test_block_size_option_and_errors(target, tmp_path):
     save_file(stored | {"d2t": torch.zeros(4, dtype=torch.long)}, folder / "model.safetensors")
     with pytest.raises(SpecDecodeError, match="unknown tensor 'd2t' for a DSpark drafter"):
         load_dspark(folder, target.model, 128)
+
+
+def test_inspect_finds_a_dspark_drafter_beside_the_model(target, tmp_path, capsys):
+    from specdecode.cli.main import main
+
+    shutil.copytree(target.folder, tmp_path / "target")
+    write_random_dspark(tmp_path / "target-dspark", target, HEADS["vanilla"])
+    assert main(["inspect", str(tmp_path / "target"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"kind": "dspark", "path": str(tmp_path / "target-dspark")} in report["drafters_beside"]
+    row = next(m for m in report["methods"] if m["method"] == "dspark")
+    assert row["usable"] and row["flags"] == f"--spec-type dspark --draft-head {tmp_path / 'target-dspark'}"
+    assert not next(m for m in report["methods"] if m["method"] == "dflash")["usable"]
+
+
+def test_each_layout_is_refused_by_the_other_method(target, tmp_path):
+    from dflash_drafters import write_random_dflash
+
+    from specdecode.models.formats.dflash_checkpoint import load_dflash
+
+    dspark = write_random_dspark(tmp_path / "s", target, DSparkHeads(markov_rank=0, confidence=False))
+    with pytest.raises(SpecDecodeError, match="DeepSpec's layout.*use --spec-type dspark"):
+        load_dflash(dspark, target.model, 128)
+    load_dspark(dspark, target.model, 128)  # DeepSpec's DFlash baseline: no heads, every slot drafts
+    with pytest.raises(SpecDecodeError, match="z-lab's layout.*use --spec-type dflash"):
+        load_dspark(write_random_dflash(tmp_path / "f", target), target.model, 128)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.auto_method import dflash_folder, head_folder
+from specdecode.auto_method import dflash_folder, dspark_folder, head_folder
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     source = resolve_source(args.model, quiet=args.json)
     facts = survey(source)
-    drafters = drafters_beside(source, [head_folder(args.model), dflash_folder(args.model)])
+    drafters = drafters_beside(source, [head_folder(args.model), dflash_folder(args.model),
+                                        dspark_folder(args.model)])
     drafts = _draft_models(args.model) if facts.runs else []
     methods = _methods(facts, drafters, drafts)
     report = {
@@ -72,12 +73,12 @@ def _draft_models(model: str) -> list[str]:
 def _methods(facts: ModelSurvey, drafters: list[tuple[str, Path]], drafts: list[str]
              ) -> list[tuple[str, bool, str, str]]:
     """(method, usable, why, the flags that use it) in the seed's order: MTP, EAGLE-3, a draft model, then a
-    DFlash drafter (the newest), then lookups."""
+    DFlash or DSpark drafter (the newest), then lookups."""
     if not facts.runs:
         return [("none", False, f"this runtime does not run {facts.architecture!r} models yet", "")]
     heads = [path for kind, path in drafters if kind == "eagle3"]
-    blocks = [path for kind, path in drafters if kind == "dflash"]
-    others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash")})
+    blocks = {kind: [path for found, path in drafters if found == kind] for kind in ("dflash", "dspark")}
+    others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash", "dspark")})
     if facts.mtp_present:
         rows = [("mtp", True, f"ships {facts.mtp_present} MTP layer(s), no other download", "--spec-type mtp")]
     elif facts.mtp_dropped:
@@ -89,8 +90,10 @@ def _methods(facts: ModelSurvey, drafters: list[tuple[str, Path]], drafts: list[
                 else ("eagle3", False, "no EAGLE-3 head found: `specdecode train eagle3 --target MODEL` trains one", ""))
     rows.append(("draft", True, "a smaller model with its vocabulary", f"--spec-type draft --draft-model {drafts[0]}")
                 if drafts else ("draft", False, "no installed model with its vocabulary and at most half its size", ""))
-    rows.append(("dflash", True, "a DFlash drafter for it", f"--spec-type dflash --draft-head {blocks[0]}") if blocks
-                else ("dflash", False, "no DFlash drafter found: `specdecode train dflash --target MODEL` trains one", ""))
+    for kind, name in (("dspark", "DSpark"), ("dflash", "DFlash")):
+        rows.append((kind, True, f"a {name} drafter for it", f"--spec-type {kind} --draft-head {blocks[kind][0]}")
+                    if blocks[kind] else (kind, False, f"no {name} drafter found: `specdecode train {kind} --target "
+                                          "MODEL` trains one", ""))
     rows.append(("suffix", True, "always: text that repeats (code edits, structured output, agents)",
                  "--spec-type suffix"))
     rows.append(("ngram", True, "always: repeats of the prompt itself", "--spec-type ngram"))

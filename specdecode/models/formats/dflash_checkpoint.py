@@ -37,6 +37,9 @@ def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tu
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
     hf = read_drafter_config(folder, "a DFlash drafter")
+    if slot_convention(hf) != "dflash":
+        raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's layout, whose every slot drafts (DSpark, or "
+                              "DeepSpec's DFlash baseline): use --spec-type dspark")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     files = sorted(folder.glob("*.safetensors"))
@@ -95,6 +98,14 @@ def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:
                         input_embedding_scale=float(value("input_embedding_scale", 1.0)),
                         output_multiplier=float(value("output_multiplier", 1.0)),
                         logit_softcap=float(softcap) if softcap else None)
+
+
+def slot_convention(hf: dict) -> str:
+    """"dspark" for DeepSpec's layout (every slot drafts, `sample_from_anchor`: its own DFlash baselines too, which
+    have no Markov head), else "dflash" (z-lab's: slot 0 holds the root and drafts nothing)."""
+    described = " ".join(map(str, hf.get("architectures") or [])).lower()
+    deepspec = "dspark" in described or hf.get("sample_from_anchor") is True or "markov_rank" in hf
+    return "dspark" if deepspec else "dflash"
 
 
 def default_target_layer_ids(target_layers: int, draft_layers: int) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dspark_model import MARKOV_KINDS, DSparkHeads, DSparkModel
-from specdecode.models.formats.dflash_checkpoint import dflash_config, our_tensors, published_tensors
+from specdecode.models.formats.dflash_checkpoint import (dflash_config, our_tensors, published_tensors,
+                                                         slot_convention)
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
@@ -29,6 +30,9 @@ def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tu
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
     hf = read_drafter_config(folder, "a DSpark drafter")
+    if slot_convention(hf) != "dspark":
+        raise SpecDecodeError(f"{folder} holds a DFlash drafter in z-lab's layout (slot 0 drafts nothing): use "
+                              "--spec-type dflash")
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
     model = DSparkModel(config, heads, target.embed, target.lm_head)
