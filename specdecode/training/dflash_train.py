@@ -9,7 +9,8 @@ learns the target's distribution for the token at a+j (its top-32 soft labels), 
 a sequence's blocks run in one forward. Held-out acceptance per slot counts a slot as accepted when it and
 every slot before it name the target's own token, as verification would. The mask token is the embedding's
 last row (a padding row in Qwen's vocabularies, never a real token); the drafter drafts over the full
-vocabulary through the target's head, whose rows are kept in bf16 for the loss.
+vocabulary through the target's head, whose rows are kept in bf16 for the loss (float32 where bf16 matmuls
+are slow: CPUs without AVX-512).
 """
 
 from __future__ import annotations
