@@ -51,21 +51,27 @@ class MarkovHead(nn.Module):
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
-    def step(self, previous: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """previous [N] token ids, hidden [N, H] the slot's backbone output, state [N, r] (the rnn's; zeros at
-        slot 0) -> (bias [N, V] float32 added to the slot's logits, the next state [N, r])."""
-        embedded = self.markov_w1(previous).to(hidden.dtype)  # [N, r]
+    def latents(self, embedded: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embedded [N, S, r] the previous tokens' W1 rows, hidden [N, S, H] the slots' backbone outputs, state
+        [N, r] the rnn's before the first of the S slots -> (latents [N, S, r] that W2 projects, the state after
+        the last slot). Only the rnn kind runs slot after slot."""
         if self.kind == "gated":
-            latent = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1))) * embedded
-        elif self.kind == "rnn":
-            gate, candidate, output = self.joint_proj(torch.cat([state, embedded, hidden], dim=-1)).chunk(3, dim=-1)
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded], dim=-1))) * embedded, state
+        if self.kind != "rnn":
+            return embedded, state
+        latents = []
+        for slot in range(embedded.shape[1]):
+            joint = self.joint_proj(torch.cat([state, embedded[:, slot], hidden[:, slot]], dim=-1))  # [N, 3r]
+            gate, candidate, output = joint.chunk(3, dim=-1)
             gate = torch.sigmoid(gate)
             state = gate * state + (1 - gate) * torch.tanh(candidate)
-            latent = torch.tanh(output)
-        else:
-            latent = embedded
-        return self.markov_w2(latent).float(), state
+            latents.append(torch.tanh(output))
+        return torch.stack(latents, dim=1), state
+
+    def bias(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [..., r] -> [..., V] float32, added to the slots' logits."""
+        return self.markov_w2(latents).float()
 
 
 class ConfidenceHead(nn.Module):
@@ -94,12 +100,29 @@ class DSparkModel(DFlashModel):
 
     def slot_logits(self, base: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor, state: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """base [N, V] the head's logits of one slot, hidden [N, H] its backbone output, previous [N] the token
-        before it -> (logits [N, V] float32 with the Markov correction, the Markov state after the slot)."""
+        """Drafting, one slot: base [N, V] the head's logits, hidden [N, H] the slot's backbone output, previous
+        [N] the token before it -> (logits [N, V] float32 with the Markov correction, the Markov state after it)."""
         if self.markov_head is None:
             return base, state
-        bias, state = self.markov_head.step(previous, hidden, state)
-        return base + bias, state
+        embedded = self.markov_head.markov_w1(previous).to(hidden.dtype)  # [N, r]
+        latents, state = self.markov_head.latents(embedded[:, None], hidden[:, None], state)  # [N, 1, r]
+        return base + self.markov_head.bias(latents[:, 0]), state
+
+    def forced_logits(self, base: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training, every slot at once with the tokens before them given (teacher forcing): base [A, B, V],
+        hidden [A, B, H], previous [A, B] -> (logits [A, B, V] float32, confidence logits [A, B] or None). One
+        embedding lookup and one W2 projection for all slots: what drafting slot by slot computes."""
+        if self.markov_head is None:
+            confidence = self.confidence_head(hidden) if self.confidence_head is not None else None
+            return base, confidence
+        embedded = self.markov_head.markov_w1(previous).to(hidden.dtype)  # [A, B, r]
+        latents, _ = self.markov_head.latents(embedded, hidden, self.start_state(hidden.shape[0]))
+        confidence = None
+        if self.confidence_head is not None:
+            features = torch.cat([hidden, embedded], dim=-1) if self.heads.confidence_with_markov else hidden
+            confidence = self.confidence_head(features)  # [A, B]
+        return base + self.markov_head.bias(latents), confidence
 
     def confidence_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H], previous [N] -> [N] float32 logits of acceptance, or None without a confidence head."""

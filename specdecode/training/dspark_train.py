@@ -3,7 +3,7 @@ slot convention, with its Markov and confidence heads, in the one training loop 
 
 Slot k of a block anchored at a predicts the token at a+k+1 (slot 0 included), from the target's row a+k. Its
 logits are the head's plus the Markov correction by the token before it, teacher-forced (the data's token at
-a+k, the anchor's for slot 0), slot after slot so the rnn kind carries its state. Per slot, weighted
+a+k, the anchor's for slot 0): all slots in one projection (only the rnn kind's state runs slot after slot). Per slot, weighted
 exp(-k/4) and masked as DeepSpec's loss (deepspec/modeling/dspark/loss.py):
 
     cross-entropy against the target's top-K (renormalized)                        weight CE_WEIGHT
@@ -69,29 +69,22 @@ def dspark_objective(model: DSparkModel, columns: torch.Tensor, rows: torch.Tens
         valid = blocks.inside & shard.loss_mask[label_at]  # [A, B]
         previous = shard.tokens[label_at]  # [A, B]: the token before slot k's, teacher-forced
         base = (hidden @ rows.T.to(hidden.dtype)).float()  # [A, B, V]
-        state = model.start_state(hidden.shape[0])  # [A, r]
-        slots = []
-        for slot in range(block):
-            logits, state = model.slot_logits(base[:, slot], hidden[:, slot], previous[:, slot], state)
-            slots.append(logits)
-        logits = torch.stack(slots, dim=1)  # [A, B, V]
+        logits, confidence = model.forced_logits(base, hidden, previous)  # [A, B, V], [A, B] or None
         log_q = torch.log_softmax(logits, dim=-1)
         top_p = shard.top_logprobs[label_at].exp()  # [A, B, K]
         top_p = top_p / top_p.sum(-1, keepdim=True)
         top_q = log_q.gather(-1, shard.top_ids[label_at]).exp()  # [A, B, K]
         total_variation = (top_q - top_p).abs().sum(-1) + (1 - top_q.sum(-1)).clamp_min(0)  # [A, B]
         per_slot = CE_WEIGHT * soft_cross_entropy(log_q, shard, label_at) + TV_WEIGHT * total_variation
-        confidence = model.confidence_logits(hidden.flatten(0, 1), previous.flatten())  # [A*B] or None
         if confidence is not None:
             accepted = (1 - 0.5 * total_variation.detach()).clamp(0, 1)  # [A, B]
-            per_slot = per_slot + F.binary_cross_entropy_with_logits(confidence.view_as(accepted), accepted,
-                                                                     reduction="none")
+            per_slot = per_slot + F.binary_cross_entropy_with_logits(confidence, accepted, reduction="none")
         weight = valid * torch.exp(-torch.arange(block, device=device) / DECAY)  # [A, B]
         loss = (per_slot * weight).sum() / weight.sum().clamp_min(1e-6)
         correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = []
         if keep_logits:
-            kept = [logits.detach()] + ([confidence.detach().view_as(valid)] if confidence is not None else [])
+            kept = [logits.detach()] + ([confidence.detach()] if confidence is not None else [])
         return UnrollResult(loss, correct, counted, kept)
 
     return objective
