@@ -82,11 +82,14 @@ class DSparkDrafter(DFlashDrafter):
         laws: list[torch.Tensor] = []  # [1, V] each: the law each draft was drawn from
         with torch.inference_mode():
             hidden = model.block_hidden(tokens, torch.arange(root, root + size, device=device), state.cache)[:slots]
+            previous = tokens[:1]  # [1]
+            if self.threshold and self._doubtful(hidden[:1], previous):  # before the head, most of the cost
+                seq.stats.note("dspark_confidence_cut", slots)
+                return DraftProposal.empty(self.name)
             base = model.head_logits(hidden)  # [n, V]
             markov = model.start_state(1)  # [1, r]
-            previous = tokens[:1]  # [1]
             for slot in range(slots):
-                if self.threshold and self._doubtful(hidden[slot : slot + 1], previous):
+                if slot and self.threshold and self._doubtful(hidden[slot : slot + 1], previous):
                     seq.stats.note("dspark_confidence_cut", slots - slot)
                     break
                 logits, markov = model.slot_logits(base[slot : slot + 1], hidden[slot : slot + 1], previous, markov)
