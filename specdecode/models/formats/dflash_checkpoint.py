@@ -42,16 +42,22 @@ def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tu
                               "DeepSpec's DFlash baseline): use --spec-type dspark")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
-    load_checked(model, our_tensors(FolderWeights(files), folder), folder, "DFlash drafter")
-    model.to(dtype=target.dtype, device=target.device)
-    model.finish_loading(max_positions)
-    model.requires_grad_(False)
+    fill(model, folder, target, max_positions)
     ids = ", ".join(map(str, config.target_layer_ids))
     return model, (f"DFlash drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "
                    f"target layers {ids})")
+
+
+def fill(model: DFlashModel, folder: Path, target: Transformer, max_positions: int, own_prefixes: tuple[str, ...] = (),
+         what: str = "DFlash drafter") -> None:
+    """Load the folder's tensors into `model` (checked), in the target's dtype and device, ready to draft."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
+    load_checked(model, our_tensors(FolderWeights(files), folder, own_prefixes, what), folder, what)
+    model.to(dtype=target.dtype, device=target.device)
+    model.finish_loading(max_positions)
+    model.requires_grad_(False)
 
 
 def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:

@@ -16,10 +16,8 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dspark_model import MARKOV_KINDS, DSparkHeads, DSparkModel
-from specdecode.models.formats.dflash_checkpoint import (dflash_config, our_tensors, published_tensors,
-                                                         slot_convention)
-from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
-from specdecode.models.formats.weight_source import FolderWeights
+from specdecode.models.formats.dflash_checkpoint import dflash_config, fill, published_tensors, slot_convention
+from specdecode.models.formats.drafter_folder import read_drafter_config, write_drafter_folder
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
 
@@ -36,14 +34,7 @@ def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tu
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
     model = DSparkModel(config, heads, target.embed, target.lm_head)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
-    tensors = our_tensors(FolderWeights(files), folder, HEAD_PREFIXES, "DSpark drafter")
-    load_checked(model, tensors, folder, "DSpark drafter")
-    model.to(dtype=target.dtype, device=target.device)
-    model.finish_loading(max_positions)
-    model.requires_grad_(False)
+    fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter")
     markov = f"{heads.markov_kind} Markov head of rank {heads.markov_rank}" if heads.markov_rank else "no Markov head"
     confidence = "a confidence head" if heads.confidence else "no confidence head"
     return model, (f"DSpark drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "
