@@ -228,7 +228,7 @@ class Engine:
         ended = perf_counter()
         for seq, draft, tokens in zip(seqs, drafts, committed):
             if len(seqs) == 1:
-                seq.guard.observe(ended - began, len(tokens), draft.proposal.size)
+                seq.guard.observe(ended - began, len(tokens), draft.proposal.size, draft.seconds)
             self.batch_budget.observe_sequence(seq, draft.budget, len(tokens) - 1, draft.seconds)
             seq.stats.draft_seconds += draft.seconds
             seq.stats.verify_seconds += ended - proposed  # a batch's forward counts for each of its sequences

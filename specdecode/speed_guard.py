@@ -5,7 +5,8 @@ Speculation pays when a step's committed tokens outweigh what drafting and the w
 CPU with a cheap quantized target a draft model can lose (issue #16 measured `draft` at 0.89x of plain on
 w4a8). Acceptance alone cannot tell: the break-even point depends on this machine's costs. So the guard
 compares measured rates. A window of steps run with drafts gives speculative tokens per second; steps that
-verified no draft (whatever the reason) give the plain step's time, kept per Engine so that each request
+verified no draft (whatever the reason), less any time a drafter spent proposing nothing, give the plain
+step's time, kept per Engine so that each request
 starts with it. Below plain, the guard first halves the draft length, then pauses drafting for a number of
 steps that doubles each time a probe fails again. A probe drafts one token; each window that beats plain lets
 the draft grow by one token again.
@@ -64,11 +65,13 @@ class SpeedGuard:
         self.last_budget = wanted if self.cap is None else min(wanted, self.cap)
         return self.last_budget, None
 
-    def observe(self, seconds: float, committed: int, drafted: int) -> None:
-        """After a step of `seconds` (drafting, verifying, committing) that committed `committed` tokens and
-        verified `drafted` drafted nodes."""
+    def observe(self, seconds: float, committed: int, drafted: int, drafting_seconds: float = 0.0) -> None:
+        """After a step of `seconds` (drafting, verifying, committing), `drafting_seconds` of them spent asking
+        for drafts, that committed `committed` tokens and verified `drafted` drafted nodes."""
         if drafted == 0:
-            self.clock.observe(seconds)
+            # The plain step is the forward alone: a drafter that ran and proposed nothing must not make plain
+            # decoding look slower, or speculation that pays nothing would never measure below it.
+            self.clock.observe(seconds - drafting_seconds)
         if not self.enabled:
             return
         if self.paused_steps_left > 0:

@@ -124,3 +124,18 @@ def test_bench_methods_set_the_guard_per_method():
     assert specs["draft:guard=off;k=5"].num_draft_tokens == 5
     off = SpecConfig("none", guard=False)
     assert not parse_methods("ngram", off)[1].spec.guard and parse_methods("ngram:guard=on", off)[1].spec.guard
+
+
+def test_a_drafter_that_costs_time_and_proposes_nothing_is_paused():
+    """Asked for drafts, it spends `draft_cost` and proposes none: every step verifies nothing, so each is a
+    plain step to the clock, but only its forward is: the guard sees the drafting time and pauses it."""
+    clock = PlainStepClock()
+    guard = SpeedGuard(clock, enabled=True)
+    draft_cost, seconds, tokens = 0.5, 0.0, 0
+    for _ in range(1000):
+        k, _reason = guard.budget(4)
+        spent = draft_cost if k else 0.0
+        guard.observe(PLAIN_SECONDS + spent, 1, 0, drafting_seconds=spent)
+        seconds, tokens = seconds + PLAIN_SECONDS + spent, tokens + 1
+    assert clock.seconds == pytest.approx(PLAIN_SECONDS)
+    assert guard.pauses >= 3 and tokens / seconds > 0.9 / PLAIN_SECONDS
