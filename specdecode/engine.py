@@ -264,7 +264,7 @@ class Engine:
             seconds = (perf_counter() - began) / len(members)
             for b, proposal in zip(members, proposals):
                 if proposal.size == 0 and drafter.caps.drafts:
-                    seqs[b].stats.record_undrafted(reasons[b])
+                    seqs[b].stats.record_undrafted(proposal.withheld or reasons[b])
                 start = len(seqs[b].tokens) - 1  # the root: the last committed token, not in the cache yet
                 drafts[b] = _StepDraft(proposal, budgets[b], start, seconds)
         return drafts

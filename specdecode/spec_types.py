@@ -65,10 +65,11 @@ class DraftProposal:
     # row); None = deterministic drafts (argmax, top-k, lookups), verified against a one-hot q.
     probs: torch.Tensor | None = None
     source: str = ""  # the method that proposed it (a chain of methods reports its winning member)
+    withheld: str | None = None  # why it is empty when a drafter chose not to draft (stats' steps_without_draft)
 
     @classmethod
-    def empty(cls, source: str = "") -> DraftProposal:
-        return cls(torch.empty(0, dtype=torch.long), None, None, source)
+    def empty(cls, source: str = "", withheld: str | None = None) -> DraftProposal:
+        return cls(torch.empty(0, dtype=torch.long), None, None, source, withheld)
 
     @classmethod
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, source: str = "") -> DraftProposal:

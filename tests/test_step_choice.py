@@ -35,12 +35,40 @@ class Scripted(Drafter):
         return DraftProposal.chain([1] * budget, source=self.name)
 
 
-def simulate(chain: ChainDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0) -> dict:
-    """Script `steps` steps through the chain; -> tokens per second and how often each member won."""
+class Deferred(Scripted):
+    """A Scripted member that can start late: its first proposal of a request first reads the whole context at
+    `start_seconds_per_token` per token (a draft model's prompt forward)."""
+
+    def __init__(self, *args, start_seconds_per_token: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start_seconds_per_token = start_seconds_per_token
+        self.started = 0
+
+    def defer_start(self, seq) -> bool:
+        seq.drafter_state[self.name] = 0  # context tokens read so far
+        return True
+
+    def pending_tokens(self, seq) -> int:
+        return len(seq.tokens) - seq.drafter_state[self.name]
+
+    def propose(self, seq, budget: int) -> DraftProposal:
+        if seq.drafter_state[self.name] == 0:
+            self.started += 1
+            self.clock.now += self.start_seconds_per_token * len(seq.tokens)
+        seq.drafter_state[self.name] = len(seq.tokens)
+        return super().propose(seq, budget)
+
+
+def simulate(chain: ChainDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0,
+             prompt_len: int = 100) -> dict:
+    """Script a request of `steps` steps through the chain; -> tokens per second, how often each member won
+    (and "plain", steps the chooser left without drafts) and the empty proposals' reasons."""
     rng = random.Random(seed)
     members = {m.name: m for m in chain.members}
-    seq = SimpleNamespace(drafter_state={})
-    began, committed, wins = clock.now, 0, dict.fromkeys(members, 0)
+    seq = SimpleNamespace(drafter_state={}, tokens=[0] * prompt_len, sampling=SimpleNamespace(max_tokens=4 * steps),
+                          generated=0)
+    chain.start(seq, None)
+    began, committed, wins, withheld = clock.now, 0, dict.fromkeys([*members, "plain"], 0), set()
     for _ in range(steps):
         proposal = chain.propose(seq, budget)
         clock.now += VERIFY_SECONDS
@@ -49,8 +77,11 @@ def simulate(chain: ChainDrafter, clock: FakeClock, steps: int, budget: int = 4,
             accepted += 1
         chain.commit(seq, VerifyResult(list(range(accepted)), [1] * (accepted + 1), proposal.source), None)
         committed += accepted + 1
-        wins[proposal.source] += 1
-    return {"rate": committed / (clock.now - began), "wins": wins}
+        seq.tokens += [1] * (accepted + 1)
+        seq.generated += accepted + 1
+        wins[proposal.source if proposal.size else "plain"] += 1
+        withheld.add(proposal.withheld)
+    return {"rate": committed / (clock.now - began), "wins": wins, "withheld": withheld}
 
 
 def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float):
@@ -94,6 +125,44 @@ def test_best_is_never_far_below_the_better_single_member():
             single.clock = clock
             alone.append(simulate(single, clock, 800)["rate"])
         assert rates[0] >= 0.93 * max(alone), (lookup_acceptance, model_acceptance, rates, alone)
+
+
+def test_no_drafts_when_no_member_promises_more_than_a_plain_step():
+    """A costly member that is rarely accepted: the chooser leaves most steps plain (retrying it now and then,
+    as its estimates drift back to the prior) and stays near plain decoding's one token per forward."""
+    clock = FakeClock()
+    chain = ChainDrafter([Scripted("model", clock, 0.5, 0.05, samples=True)], "best")
+    chain.clock = clock
+    run = simulate(chain, clock, 800)
+    assert run["wins"]["plain"] > 0.8 * 800 and "chooser_plain" in run["withheld"]
+    assert run["rate"] > 0.85 / VERIFY_SECONDS
+
+
+def deferred_chain(start_seconds_per_token: float):
+    clock = FakeClock()
+    lookup = Scripted("lookup", clock, 0.001, 0.5, samples=False)
+    model = Deferred("model", clock, 0.05, 0.9, samples=True, start_seconds_per_token=start_seconds_per_token)
+    chain = ChainDrafter([lookup, model], "best")
+    chain.clock = clock
+    return chain, clock, model
+
+
+def test_a_member_that_can_start_late_starts_when_first_chosen_and_pays_once():
+    chain, clock, model = deferred_chain(start_seconds_per_token=0.001)
+    run = simulate(chain, clock, 300)
+    assert model.started == 1 and run["wins"]["model"] > 0.8 * 300
+    assert chain.chooser.members["model"].seconds_per_start_token > 0
+
+
+def test_a_costly_start_is_weighed_against_the_tokens_left():
+    """Reading the context costs 20 plain steps: worth it for a long request, not for the last few tokens."""
+    chain, clock, model = deferred_chain(start_seconds_per_token=0.2)
+    simulate(chain, clock, 300, prompt_len=100)  # the first request measures the start's cost
+    assert model.started == 1
+    short = simulate(chain, clock, 2, prompt_len=100)  # 8 tokens at most: the lookups serve it alone
+    assert model.started == 1 and short["wins"]["model"] == 0
+    simulate(chain, clock, 300, prompt_len=100)
+    assert model.started == 2
 
 
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():
@@ -147,3 +216,16 @@ def test_greedy_output_is_plain_decoding_with_combine_best(engine, method):
         sources |= set(result.stats.drafted_by)
     assert sources  # drafts were verified
     assert engine.drafter(spec) is not engine.drafter(SpecConfig(method))  # each rule keeps its own estimates
+
+
+def test_a_draft_model_reads_the_prompt_at_start_only_where_every_step_may_use_it(engine):
+    """With per-step choice the draft model's prompt forward waits until it is first chosen; a first-wins
+    chain reads the prompt in the prefill phase, as before."""
+    prompt = engine.encode("hello hello hello")
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    deferred = engine.start(prompt, sampling, SpecConfig("ngram,draft", combine="best", guard=False))
+    eager = engine.start(prompt, sampling, SpecConfig("ngram,draft", guard=False))
+    assert deferred.drafter_state["draft"].lengths[0] == 0
+    assert eager.drafter_state["draft"].lengths[0] == len(prompt)
+    for seq in (deferred, eager):
+        engine.finish(seq)

@@ -87,6 +87,16 @@ class Drafter:
         """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
         covers the prompt's rows (hidden states at every row, logits at the last)."""
 
+    def defer_start(self, seq: Sequence) -> bool:
+        """Begin a request without reading the prefill, where this drafter can: its first proposal then catches
+        up on the whole context (a draft model). A combination whose members may never be chosen asks this
+        instead of `start`, so a member it never picks costs nothing; -> whether this drafter deferred."""
+        return False
+
+    def pending_tokens(self, seq: Sequence) -> int:
+        """Committed tokens this drafter has yet to read before it can propose (a draft model's catch-up)."""
+        return 0
+
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         """At most `budget` tokens on any root-to-leaf path (the context and token budget allow no more)."""
         raise NotImplementedError

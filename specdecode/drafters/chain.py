@@ -33,9 +33,20 @@ class ChainDrafter(Drafter):
                                 needs_draft_model=any(c.needs_draft_model for c in caps),
                                 draft_files=any(c.draft_files for c in caps))
 
+    @property
+    def deferred_key(self) -> str:
+        return f"{self.name}.deferred"  # seq.drafter_state: the members whose start waits for their first turn
+
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        """Every member starts, except that per-step choice defers those that can (a draft model's prompt
+        forward) until first chosen: a request the lookups serve alone never pays for them."""
+        deferred = set()
         for member in self.members:
-            member.start(seq, prefill)
+            if self.chooser is not None and member.defer_start(seq):
+                deferred.add(member.name)
+            else:
+                member.start(seq, prefill)
+        seq.drafter_state[self.deferred_key] = deferred
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         if self.chooser is None:
@@ -71,23 +82,43 @@ class ChainDrafter(Drafter):
         candidates = []  # (promise in tokens/s, member, its proposal or None = not asked yet)
         for member in self.members:
             if member.caps.emits_probs:
-                seconds = self.chooser.drafting_seconds(member.name, budget)
+                seconds = self.chooser.drafting_seconds(member.name, budget) + self._start_share(member, seq, budget)
                 candidates.append((self.chooser.promise(member.name, budget, budget, seconds), member, None))
                 continue
             proposal = self._timed_propose(member, seq, budget)
             if proposal.size:
                 promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
                 candidates.append((promise, member, proposal))
-        for _, member, proposal in sorted(candidates, key=lambda c: -c[0]):
+        plain = self.chooser.plain_promise()
+        for promise, member, proposal in sorted(candidates, key=lambda c: -c[0]):
+            if promise < plain:
+                return DraftProposal.empty(self.members[-1].name, withheld="chooser_plain")
             proposal = proposal if proposal is not None else self._timed_propose(member, seq, budget)
             if proposal.size:
                 return proposal
         return DraftProposal.empty(self.members[-1].name)
 
+    def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
+        """The part of a deferred member's first catch-up charged to a step drafting `budget` tokens: the
+        catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it."""
+        if member.name not in seq.drafter_state.get(self.deferred_key, ()):
+            return 0.0
+        left = max(1, seq.sampling.max_tokens - seq.generated)
+        share = min(1.0, (budget + 1) / left)
+        return share * self.chooser.start_seconds(member.name, member.pending_tokens(seq))
+
     def _timed_propose(self, member: Drafter, seq: Sequence, budget: int) -> DraftProposal:
+        deferred = seq.drafter_state.get(self.deferred_key, set())
+        starting = member.name in deferred
+        context = member.pending_tokens(seq) if starting else 0
         began = self.clock()
         proposal = member.propose(seq, budget)
-        self.chooser.record_drafting(member.name, self.clock() - began, proposal.size)
+        seconds = self.clock() - began
+        if starting:
+            deferred.discard(member.name)
+            self.chooser.record_start(member.name, seconds, context, proposal.size)
+        else:
+            self.chooser.record_drafting(member.name, seconds, proposal.size)
         return proposal
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
@@ -102,6 +133,7 @@ class ChainDrafter(Drafter):
 
     def finish(self, seq: Sequence) -> None:
         seq.drafter_state.pop(self.name, None)
+        seq.drafter_state.pop(self.deferred_key, None)
         for member in self.members:
             member.finish(seq)
 

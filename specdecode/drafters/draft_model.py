@@ -72,12 +72,18 @@ class DraftModelDrafter(Drafter):
         return self.options.draft_tree_nodes if self.tree else budget
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        self.defer_start(seq)
+        # The prompt now, in the prefill phase; the first generated token comes with the first proposal.
+        self._feed(seq, seq.drafter_state[self.name], logits_at=slice(0, 0), upto=seq.prompt_len)
+
+    def defer_start(self, seq: Sequence) -> bool:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
         slack = seq.draft_length.maximum * (self.options.draft_tree_width if self.tree else 1)
-        cache = self.draft.model.new_cache(seq.capacity + slack)
-        seq.drafter_state[self.name] = cache
-        # The prompt now, in the prefill phase; the first generated token comes with the first proposal.
-        self._feed(seq, cache, logits_at=slice(0, 0), upto=seq.prompt_len)
+        seq.drafter_state[self.name] = self.draft.model.new_cache(seq.capacity + slack)
+        return True  # the first catch-up reads the prompt
+
+    def pending_tokens(self, seq: Sequence) -> int:
+        return len(seq.tokens) - seq.drafter_state[self.name].lengths[0]
 
     @property
     def batch_invariant(self) -> bool:

@@ -7,6 +7,14 @@ draft model even where the draft model would have been accepted more often. Here
 estimates kept for the Engine's life: acceptance by draft position per member, drafting seconds per drafted
 token per member, and verify seconds as a line in the number of drafted nodes.
 
+Doing nothing is a candidate too: when no member promises more than a step without drafts (1 token over the
+verify line's cost at 0 nodes), the step drafts nothing, and counts as "chooser_plain" in the stats.
+
+A member that can begin a request without the prefill (a draft model, Drafter.defer_start) starts only when
+first chosen, so a request the lookups serve alone never pays its prompt forward. That catch-up on the whole
+context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
+of the estimated catch-up (seconds per context token, measured the first times it happens).
+
 Losslessness needs the choice to be made before a random draft is drawn: a member that samples its drafts
 (caps.emits_probs) is judged on its estimates alone and, once asked, its proposal is used (a choice that looked
 at sampled tokens would skew the law they were drawn from). Deterministic members (lookups) cost little, are
@@ -28,6 +36,7 @@ class MemberEstimate:
     accepted: list[float] = field(default_factory=list)  # per position: decayed count of acceptances
     examined: list[float] = field(default_factory=list)  # per position: decayed count of verdicts
     seconds_per_token: float = 0.0  # drafting time per drafted token (0 until measured: try it once)
+    seconds_per_start_token: float = 0.0  # a deferred start's catch-up time per context token (0 until measured)
 
     def acceptance(self, position: int) -> float:
         """P(draft at `position` accepted | every earlier one was)."""
@@ -82,8 +91,26 @@ class StepChooser:
         tokens = self.members[member].expected_accepted(depth) + 1
         return tokens / spent if spent > 0 else float("inf")
 
+    def plain_promise(self) -> float:
+        """Committed tokens per second of a step without drafts (0 until a verify step was timed)."""
+        seconds = self.verify.predict(0)
+        return 1.0 / seconds if seconds > 0 else 0.0
+
     def drafting_seconds(self, member: str, tokens: int) -> float:
         return self.members[member].seconds_per_token * tokens
+
+    def start_seconds(self, member: str, context_tokens: int) -> float:
+        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal."""
+        return self.members[member].seconds_per_start_token * context_tokens
+
+    def record_start(self, member: str, seconds: float, context_tokens: int, tokens: int) -> None:
+        """A deferred member's first proposal of a request: `seconds` for reading `context_tokens` and drafting
+        `tokens`; the reading is what is left after the usual drafting time."""
+        estimate = self.members[member]
+        per_token = max(0.0, seconds - self.drafting_seconds(member, tokens)) / max(1, context_tokens)
+        first = estimate.seconds_per_start_token == 0.0
+        estimate.seconds_per_start_token = per_token if first else (
+            estimate.seconds_per_start_token + COST_SMOOTHING * (per_token - estimate.seconds_per_start_token))
 
     def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
         if tokens:
