@@ -29,7 +29,8 @@ class GenerationStats:
     kv_cache_bytes: int = 0  # the target's KV cache for this request (allocated for prompt + max_tokens)
     drafter_request_bytes: int = 0  # the drafter's state for this request (a draft model's KV cache)
     # Forwards that verified no draft, by why: "no_proposal" (the drafter found nothing), "no_room" (the token
-    # budget or context allowed none), "guard_paused" / "guard_timing_plain" (speed_guard.py).
+    # budget or context allowed none), "guard_paused" / "guard_timing_plain" (speed_guard.py), "chooser_plain"
+    # (per-step choice found no member worth a draft, drafters/step_choice.py), "batch_load" (batch_budget.py).
     steps_without_draft: dict[str, int] = field(default_factory=dict)
     guard_shrinks: int = 0  # times the speed guard halved the draft length
     guard_pauses: int = 0  # times it paused drafting

@@ -26,8 +26,9 @@ class ServerMetrics:
                                             "Draft tokens proposed at each draft position (0-based)",
                                             ["position"], registry=self.registry)
         self.steps_without_draft = Counter("specdecode_spec_steps_without_draft",
-                                           "Target forwards that verified no draft, by reason (no_proposal, batch_load, "
-                                           "no_room, guard_paused, guard_timing_plain)", ["reason"],
+                                           "Target forwards that verified no draft, by reason (no_proposal, "
+                                           "batch_load, no_room, guard_paused, guard_timing_plain, chooser_plain)",
+                                           ["reason"],
                                            registry=self.registry)
         self.time_to_first_token = Histogram("specdecode_time_to_first_token_seconds",
                                              "From request arrival to the first generated token",
