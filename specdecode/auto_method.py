@@ -9,8 +9,9 @@ a member cannot make the output differ, only the speed.
 Where it looks:
 - an EAGLE-3 head: --draft-head, else the folder `specdecode train eagle3` writes by default for this target
   (head_folder below);
-- a draft model: --draft-model, else the smallest installed default model with the target's vocabulary and at
-  most half its weights (the pairing rule of `specdecode models --drafts-for`);
+- a draft model: --draft-model, else the smallest assembled default model with the target's vocabulary and at
+  most half its weights (the pairing rule of `specdecode models --drafts-for`); for the default target, the
+  default draft whenever its package is installed;
 - MTP layers: in the target's own weights (models/survey.py reads its config and tensor names).
 """
 
@@ -96,13 +97,19 @@ def _trained_head(target: str | None) -> str | None:
 
 
 def _installed_sibling(target: str | None) -> str | None:
-    from specdecode.models.formats.default_models import DEFAULT_DRAFT
+    from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, status
     from specdecode.models.pairing import MAX_USEFUL_RATIO, installed_defaults, model_facts, pair
 
     installed = installed_defaults()
     if target is None:  # the default pair was chosen together
         return DEFAULT_DRAFT if DEFAULT_DRAFT in installed else None
+    # Only defaults already assembled: auto is the default method, and checking a pairing must not assemble a
+    # gigabyte file from its package before every run of another model (`specdecode models --drafts-for` does).
+    ready = [name for name in installed if name != target and name in DEFAULT_MODELS
+             and status(DEFAULT_MODELS[name]) == "assembled"]
+    if not ready:
+        return None
     facts = model_facts(target)
-    usable = [p for p in (pair(facts, model_facts(name)) for name in installed if name != target)
+    usable = [p for p in (pair(facts, model_facts(name)) for name in ready)
               if p.can_draft and p.ratio <= MAX_USEFUL_RATIO]
     return min(usable, key=lambda p: p.ratio).candidate.name if usable else None

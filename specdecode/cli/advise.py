@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecDecodeError("no prompts to try")
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     draft_name = default_draft_name(args)
-    base = spec_from_args(args, has_draft=draft_name is not None)
+    base = spec_from_args(args, has_draft=draft_name is not None, default=None)
     candidates = args.candidates or default_candidates(draft_name is not None, ships_mtp(args.model))
     methods = parse_methods(candidates, base)  # a mistake fails now, before the models load
     draft_name, draft_path = draft_sources(args, any(needs_draft_model(m.spec) for m in methods),

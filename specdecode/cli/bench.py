@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     wants_auto = "auto" in (label.partition(":")[0].strip() for label in args.methods.split(","))
     auto_chain = auto_sources(args).method if wants_auto else None  # its members' weights load once, below
-    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True), auto_chain)
+    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True, default=None), auto_chain)
     needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
     draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))
     target, draft = load_models(args, draft_name)

@@ -45,11 +45,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     aliases = ", ".join(f"{a} ({cls.name})" for cls in DRAFTERS.values() for a in cls.aliases)
-    group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a fallback chain such as ngram,draft "
-                       f"(default: ngram,draft with a draft model, else ngram); llama.cpp's names too: {aliases}; "
-                       "auto: every drafter found for the model (an EAGLE-3 head from --draft-head or where "
-                       "'specdecode train eagle3' puts it, a draft model from --draft-model or an installed smaller "
-                       "sibling) after suffix, with --combine best; one line says what it chose")
+    group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a fallback chain such as ngram,draft; "
+                       f"llama.cpp's names too: {aliases}; auto (the default): every drafter found for the model "
+                       "(its MTP layers, an EAGLE-3 head from --draft-head or where 'specdecode train eagle3' puts "
+                       "it, a draft model from --draft-model or an assembled smaller sibling) after suffix, with "
+                       "--combine best; one line says what it chose")
     group.add_argument("--num-draft-tokens", "--draft-max", type=int, default=3,
                        help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -168,24 +168,37 @@ def drafter_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in all_options() if getattr(args, name, None) is not None}
 
 
-def spec_from_args(args: argparse.Namespace, has_draft: bool) -> SpecConfig:
-    if args.spec_type == "auto":
-        apply_auto(args)  # sets --spec-type to the chain it chose
+def spec_from_args(args: argparse.Namespace, has_draft: bool, default: str | None = "auto") -> SpecConfig:
+    """The method and options given. Without --spec-type: `default`, auto for commands that decode with it
+    (measured ahead of ngram,draft and within 5% of the best single method: docs/benchmarks, 2026-12-02 auto);
+    None where the command takes only the options from here (bench, advise) and a fixed chain will do."""
+    asked = args.spec_type == "auto"
+    if args.spec_type is None and default == "auto":
+        args.spec_type = "auto"
+    choice = None
+    if args.spec_type == "auto":  # the drafters found become the chain, with per-step choice
+        choice = auto_sources(args, announce=False)
+        args.spec_type, args.combine = choice.method, "best"
     method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
-    return SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
+    spec = SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
                       combine=args.combine, relaxed=args.relaxed_acceptance)
+    # Said when asked for, once the options are known good; as the default it stays quiet (the stats name the
+    # chain), so that a user's mistake is still a one-line error.
+    if asked:
+        _announce(args, choice)
+    return spec
 
 
-def apply_auto(args: argparse.Namespace) -> None:
-    """--spec-type auto: the drafters found for the target become the chain, with per-step choice."""
-    args.spec_type, args.combine = auto_sources(args).method, "best"
-
-
-def auto_sources(args: argparse.Namespace) -> AutoChoice:
+def auto_sources(args: argparse.Namespace, announce: bool = True) -> AutoChoice:
     """What auto finds for the target: its draft model and head become --draft-model and --draft-head; one line
     says what and why."""
     choice = choose(args.model, args.draft_model, args.draft_head)
     args.draft_model, args.draft_head = choice.draft_model, choice.draft_head
+    if announce:
+        _announce(args, choice)
+    return choice
+
+
+def _announce(args: argparse.Namespace, choice: AutoChoice) -> None:
     if not (getattr(args, "quiet", False) or getattr(args, "json", False)):
         print(choice.line(), file=sys.stderr)
-    return choice

@@ -110,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
     public_routes = check_serve_args(args)
-    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
+    # vLLM's --speculative-config names the method itself: auto is only the default without it.
+    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None,
+                          default=None if args.speculative_config else "auto")
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         if named_draft is not None:  # vLLM's "model": a draft model, or the folder of an EAGLE-3 head
