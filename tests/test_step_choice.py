@@ -229,3 +229,21 @@ def test_a_draft_model_reads_the_prompt_at_start_only_where_every_step_may_use_i
     assert eager.drafter_state["draft"].lengths[0] == len(prompt)
     for seq in (deferred, eager):
         engine.finish(seq)
+
+
+def test_a_lookup_the_prior_undersells_is_tried_and_then_preferred():
+    """A model member learns its worth where a lookup, judged on the prior alone, would never be chosen: the
+    lookup is tried while it has no evidence, and wins once its estimates show it is accepted more."""
+    clock = FakeClock()
+    lookup = Scripted("lookup", clock, 0.001, 0.95, samples=False)
+    model = Scripted("model", clock, 0.02, 0.8, samples=True)
+    chain = ChainDrafter([model, lookup], "best")
+    chain.clock = clock
+    learnt = chain.chooser.members["model"]  # as after requests the lookup had nothing for
+    learnt.accepted, learnt.examined = [80.0, 64.0, 51.0, 41.0], [100.0, 80.0, 64.0, 51.0]
+    learnt.seconds_per_token = 0.02
+    run = simulate(chain, clock, 600)
+    single = ChainDrafter([Scripted("lookup", clock, 0.001, 0.95, samples=False)], "best")
+    single.clock = clock
+    assert run["wins"]["lookup"] > 0.8 * 600
+    assert run["rate"] >= 0.93 * simulate(single, clock, 600)["rate"]

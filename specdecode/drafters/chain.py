@@ -13,7 +13,7 @@ from time import perf_counter
 from specdecode.config import SpecConfig
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
-from specdecode.drafters.step_choice import StepChooser
+from specdecode.drafters.step_choice import MIN_EVIDENCE, StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 from specdecode.tree import proposal_depth
 
@@ -87,6 +87,8 @@ class ChainDrafter(Drafter):
                 continue
             proposal = self._timed_propose(member, seq, budget)
             if proposal.size:
+                if self.chooser.members[member.name].evidence() < MIN_EVIDENCE:
+                    return proposal  # free to make: learn what it is worth (step_choice.py)
                 promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
                 candidates.append((promise, member, proposal))
         plain = self.chooser.plain_promise()

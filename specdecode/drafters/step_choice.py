@@ -15,6 +15,9 @@ first chosen, so a request the lookups serve alone never pays its prompt forward
 context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
 of the estimated catch-up (seconds per context token, measured the first times it happens).
 
+A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
+prior alone can hide a good one behind a member that has learnt its worth.
+
 Losslessness needs the choice to be made before a random draft is drawn: a member that samples its drafts
 (caps.emits_probs) is judged on its estimates alone and, once asked, its proposal is used (a choice that looked
 at sampled tokens would skew the law they were drawn from). Deterministic members (lookups) cost little, are
@@ -28,6 +31,11 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind that prior
 FORGET = 0.99  # each step every count decays: a member not chosen for long drifts back to the prior and is retried
+# A lookup whose first position has less evidence than this is tried whenever it proposes: its proposals cost
+# nothing, and the prior alone can keep a good one from ever being chosen (measured: a bf16 target where the draft
+# model's learnt estimate always beat suffix's prior). Evidence decays, so an unchosen lookup is retried about
+# every 70 steps (ln 2 / (1 - FORGET)).
+MIN_EVIDENCE = 1.0
 COST_SMOOTHING = 0.2  # weight of the newest timing in the running cost estimates
 
 
@@ -37,6 +45,10 @@ class MemberEstimate:
     examined: list[float] = field(default_factory=list)  # per position: decayed count of verdicts
     seconds_per_token: float = 0.0  # drafting time per drafted token (0 until measured: try it once)
     seconds_per_start_token: float = 0.0  # a deferred start's catch-up time per context token (0 until measured)
+
+    def evidence(self) -> float:
+        """Decayed count of verdicts on the first draft position."""
+        return self.examined[0] if self.examined else 0.0
 
     def acceptance(self, position: int) -> float:
         """P(draft at `position` accepted | every earlier one was)."""
