@@ -49,7 +49,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                        f"llama.cpp's names too: {aliases}; auto (the default): every drafter found for the model "
                        "(its MTP layers, an EAGLE-3 head from --draft-head or where 'specdecode train eagle3' puts "
                        "it, a draft model from --draft-model or an assembled smaller sibling) after suffix, with "
-                       "--combine best; asked for by name, one line says what it chose (the stats always name the chain)")
+                       "--combine best; asked for by name, one line says what it chose (the stats always name the "
+                       "chain)")
     group.add_argument("--num-draft-tokens", "--draft-max", type=int, default=3,
                        help="tokens drafted per step (default 3; --draft-max is llama.cpp's name)")
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
