@@ -102,7 +102,9 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting
         third_counts[c] += 1
         drafted += result.stats.drafted_tokens
         sources |= set(result.stats.drafted_by)
-    assert method == "none" or drafted > RUNS // 2  # speculation really ran (n-gram drafts only on a match)
+    # Speculation really ran (n-gram drafts only on a match; per-step choice may also leave a step plain when no
+    # member promises more, which on these tiny models, a draft as costly as the target, it often does).
+    assert method == "none" or drafted > (RUNS // 4 if method.endswith(":best") else RUNS // 2)
     if method.endswith(":best"):
         assert sources == {"ngram", "draft"}  # the choice went both ways
     assert chi_square_passes(pair_counts, joint)
