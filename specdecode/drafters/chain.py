@@ -13,9 +13,12 @@ from time import perf_counter
 from specdecode.config import SpecConfig
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
-from specdecode.drafters.step_choice import MIN_EVIDENCE, StepChooser
+from specdecode.drafters.step_choice import StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 from specdecode.tree import proposal_depth
+
+
+DEFERRED = "chain.deferred"  # seq.drafter_state: the members whose start waits for their first turn
 
 
 class ChainDrafter(Drafter):
@@ -33,10 +36,6 @@ class ChainDrafter(Drafter):
                                 needs_draft_model=any(c.needs_draft_model for c in caps),
                                 draft_files=any(c.draft_files for c in caps))
 
-    @property
-    def deferred_key(self) -> str:
-        return f"{self.name}.deferred"  # seq.drafter_state: the members whose start waits for their first turn
-
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         """Every member starts, except that per-step choice defers those that can (a draft model's prompt
         forward) until first chosen: a request the lookups serve alone never pays for them."""
@@ -46,7 +45,8 @@ class ChainDrafter(Drafter):
                 deferred.add(member.name)
             else:
                 member.start(seq, prefill)
-        seq.drafter_state[self.deferred_key] = deferred
+        if deferred:
+            seq.drafter_state[DEFERRED] = deferred
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         if self.chooser is None:
@@ -87,7 +87,7 @@ class ChainDrafter(Drafter):
                 continue
             proposal = self._timed_propose(member, seq, budget)
             if proposal.size:
-                if self.chooser.members[member.name].evidence() < MIN_EVIDENCE:
+                if self.chooser.needs_evidence(member.name):
                     return proposal  # free to make: learn what it is worth (step_choice.py)
                 promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
                 candidates.append((promise, member, proposal))
@@ -103,21 +103,21 @@ class ChainDrafter(Drafter):
     def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a deferred member's first catch-up charged to a step drafting `budget` tokens: the
         catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it."""
-        if member.name not in seq.drafter_state.get(self.deferred_key, ()):
+        if member.name not in seq.drafter_state.get(DEFERRED, ()):
             return 0.0
         left = max(1, seq.sampling.max_tokens - seq.generated)
         share = min(1.0, (budget + 1) / left)
         return share * self.chooser.start_seconds(member.name, member.pending_tokens(seq))
 
     def _timed_propose(self, member: Drafter, seq: Sequence, budget: int) -> DraftProposal:
-        deferred = seq.drafter_state.get(self.deferred_key, set())
+        deferred = seq.drafter_state.get(DEFERRED, ())
         starting = member.name in deferred
         context = member.pending_tokens(seq) if starting else 0
         began = self.clock()
         proposal = member.propose(seq, budget)
         seconds = self.clock() - began
         if starting:
-            deferred.discard(member.name)
+            deferred.remove(member.name)
             self.chooser.record_start(member.name, seconds, context, proposal.size)
         else:
             self.chooser.record_drafting(member.name, seconds, proposal.size)
@@ -135,7 +135,7 @@ class ChainDrafter(Drafter):
 
     def finish(self, seq: Sequence) -> None:
         seq.drafter_state.pop(self.name, None)
-        seq.drafter_state.pop(self.deferred_key, None)
+        seq.drafter_state.pop(DEFERRED, None)
         for member in self.members:
             member.finish(seq)
 

@@ -65,6 +65,11 @@ class MemberEstimate:
         return total
 
 
+def smoothed(estimate: float, newest: float) -> float:
+    """A running cost estimate after its newest timing (0 = none yet: the newest is taken as is)."""
+    return newest if estimate == 0.0 else estimate + COST_SMOOTHING * (newest - estimate)
+
+
 class VerifyCost:
     """Seconds of a verify step as a + b * nodes, fitted by exponentially weighted least squares."""
 
@@ -120,17 +125,16 @@ class StepChooser:
         `tokens`; the reading is what is left after the usual drafting time."""
         estimate = self.members[member]
         per_token = max(0.0, seconds - self.drafting_seconds(member, tokens)) / max(1, context_tokens)
-        first = estimate.seconds_per_start_token == 0.0
-        estimate.seconds_per_start_token = per_token if first else (
-            estimate.seconds_per_start_token + COST_SMOOTHING * (per_token - estimate.seconds_per_start_token))
+        estimate.seconds_per_start_token = smoothed(estimate.seconds_per_start_token, per_token)
 
     def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
         if tokens:
             estimate = self.members[member]
-            per_token = seconds / tokens
-            first = estimate.seconds_per_token == 0.0
-            estimate.seconds_per_token = per_token if first else (
-                estimate.seconds_per_token + COST_SMOOTHING * (per_token - estimate.seconds_per_token))
+            estimate.seconds_per_token = smoothed(estimate.seconds_per_token, seconds / tokens)
+
+    def needs_evidence(self, member: str) -> bool:
+        """Whether a lookup's estimates rest on too few verdicts to judge its proposal by (MIN_EVIDENCE)."""
+        return self.members[member].evidence() < MIN_EVIDENCE
 
     def record_verdict(self, member: str, depth: int, accepted: int, nodes: int, verify_seconds: float) -> None:
         """After the target judged `member`'s proposal: `accepted` of its `depth` positions kept."""
