@@ -67,15 +67,19 @@ inline VI vload_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VI vlow_nibbles(VI a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
 inline VI vhigh_nibbles(VI a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
 // Per lane (output row): the sum over j of codes[j]'s 4 bytes times the 4 int8 activations a[4j .. 4j+3].
+// The activations' 4 bytes are broadcast from memory inside vpdpbusd ({1to16}), which GCC does not fold on its
+// own. With Chains = 2 two accumulators halve the chain of dependent vpdpbusd, for a row alone (latency-bound
+// otherwise); several rows in flight give that parallelism already. The integer sum is the same either way.
+template <int Chains = 2>
 inline VI vdot32(const VI codes[8], const int8_t* a) {
   const int32_t* quads = (const int32_t*)a;
-  // Two accumulators halve the chain of dependent vpdpbusd (latency-bound at one row otherwise).
-  VI even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-  for (int j = 0; j < 8; j += 2) {
-    even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(quads[j]));
-    odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(quads[j + 1]));
+  VI sums[Chains];
+  for (int c = 0; c < Chains; ++c) sums[c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums[j % Chains]) : "v"(codes[j]), "m"(quads[j]));
   }
-  return _mm512_add_epi32(even, odd);
+  return Chains == 2 ? _mm512_add_epi32(sums[0], sums[Chains - 1]) : sums[0];
 }
 #else
 constexpr int kLanes = 8;
@@ -140,20 +144,25 @@ inline VI vload_codes(const uint8_t* p) { return _mm256_loadu_si256((const __m25
 inline VI vlow_nibbles(VI a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
 inline VI vhigh_nibbles(VI a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
 #ifdef __AVXVNNI__
+// As the AVX-512 one, with the broadcast its own instruction (VEX encoding has no embedded broadcast).
+template <int Chains = 2>
 inline VI vdot32(const VI codes[8], const int8_t* a) {
   const int32_t* quads = (const int32_t*)a;
-  VI even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-  for (int j = 0; j < 8; j += 2) {
-    even = _mm256_dpbusd_avx_epi32(even, codes[j], _mm256_set1_epi32(quads[j]));
-    odd = _mm256_dpbusd_avx_epi32(odd, codes[j + 1], _mm256_set1_epi32(quads[j + 1]));
+  VI sums[Chains];
+  for (int c = 0; c < Chains; ++c) sums[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    sums[j % Chains] = _mm256_dpbusd_avx_epi32(sums[j % Chains], codes[j], _mm256_set1_epi32(quads[j]));
   }
-  return _mm256_add_epi32(even, odd);
+  return Chains == 2 ? _mm256_add_epi32(sums[0], sums[Chains - 1]) : sums[0];
 }
 #else
 // vpmaddubsw multiplies the unsigned codes by the signed activations and adds pairs into int16, which it
 // would saturate past 32767; but codes are at most 15 and activations at most 127 in size, so a pair is at
 // most 3810 and all 8 pairs of a lane's 16 products at most 30480. The int16 sums are then exact, and one
-// vpmaddwd by ones adds each lane's two pairs into the same int32 vpdpbusd gives.
+// vpmaddwd by ones adds each lane's two pairs into the same int32 vpdpbusd gives. (One chain whatever Chains:
+// the int16 sums are cheap to add.)
+template <int Chains = 2>
 inline VI vdot32(const VI codes[8], const int8_t* a) {
   const int32_t* quads = (const int32_t*)a;
   __m256i pairs = _mm256_maddubs_epi16(codes[0], _mm256_set1_epi32(quads[0]));
