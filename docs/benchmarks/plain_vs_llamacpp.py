@@ -37,10 +37,18 @@ from pathlib import Path
 from cpu_decode import PROMPTS
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
+from specdecode.auto_method import choose
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, assemble
 
 LLAMA_SETUPS = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
-OUR_METHODS = ("none", "ngram", "draft", "ngram,draft")
+OUR_METHODS = ("none", "ngram", "draft", "ngram,draft", "auto")  # auto: what `generate` runs by default
+
+
+def spec_for(method: str) -> SpecConfig:
+    """A method of ours as SpecConfig; "auto" as `generate` resolves it for the default pair."""
+    if method == "auto":
+        return SpecConfig(choose(DEFAULT_TARGET, DEFAULT_DRAFT, None).method, combine="best")
+    return SpecConfig(method)
 
 
 def start_server(binary: Path, gguf: Path, port: int, extra: list[str]) -> subprocess.Popen:
@@ -130,7 +138,7 @@ def main() -> None:
             for label, (our_engine, methods) in ours.items():
                 plain = None
                 for method in methods:
-                    result = our_engine.complete(ids, sampling, SpecConfig(method))
+                    result = our_engine.complete(ids, sampling, spec_for(method))
                     plain = plain or result.token_ids
                     # the first token comes from prefill
                     count(dataset, f"{label} `{method}`", result.stats.total_seconds - result.stats.prefill_seconds,

@@ -1,5 +1,6 @@
-"""int4 weights x int8 activations on AVX-512 VNNI or AVX2: a CPU linear layer whose cost stays nearly flat in the
-number of rows, so verifying several drafted tokens costs little more than decoding one.
+"""int4 weights x int8 activations on AVX-512 VNNI or AVX2: a CPU linear layer whose cost grows slowly with the
+number of rows, so verifying several drafted tokens costs little more than decoding one (on AVX-512, 4 tokens
+1.14x one, 8 tokens 1.72x: docs/benchmarks/verify_rows.py).
 
 PyTorch's int4 CPU kernel dequantizes every weight to float again for every row, so a forward of 8 tokens
 costs 3x one of a single token (docs/benchmarks/README.md), which is what makes speculation barely pay on an
