@@ -4,6 +4,8 @@ every method on a w4a8 target."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import save_tiny_model
@@ -144,6 +146,36 @@ def test_the_variant_follows_the_cpu_flags_and_the_setting(monkeypatch):
     monkeypatch.setenv(ISA_SETTING, "avx3")
     with pytest.raises(SpecDecodeError, match="avx3: not a w4a8 kernel variant; use one of avx512, avx_vnni, avx2"):
         w4a8_linear.kernel_isa()
+
+
+def test_cpu_features_are_read_on_linux_x86_linux_arm_and_macos(monkeypatch, tmp_path):
+    monkeypatch.delenv(ISA_SETTING, raising=False)
+    monkeypatch.setattr(w4a8_linear.sys, "platform", "linux")
+    graviton = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes asimdrdm lrcpc dcpop asimddp\n"
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: graviton if str(self) == "/proc/cpuinfo"
+                        else real_read_text(self, *a, **k))
+    assert "asimddp" in w4a8_linear._cpu_flags() and w4a8_linear.kernel_isa() == "neon"
+    monkeypatch.setattr(w4a8_linear.sys, "platform", "darwin")
+    apple_m1 = "hw.optional.floatingpoint: 1\nhw.optional.arm.FEAT_DotProd: 1\nhw.optional.arm.FEAT_I8MM: 0\n"
+    intel_mac = "hw.optional.avx1_0: 1\nhw.optional.avx2_0: 1\nhw.optional.fma: 1\nhw.optional.avx512f: 0\n"
+    for listing, expected in ((apple_m1, "neon"), (intel_mac, "avx2"), ("", None)):
+        monkeypatch.setattr(w4a8_linear, "_read_command", lambda command, listing=listing: listing)
+        assert w4a8_linear.kernel_isa() == expected, listing
+
+
+def test_an_arm_cpu_without_the_dot_product_and_a_missing_compiler_are_one_line_each(monkeypatch):
+    monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
+    monkeypatch.delenv(ISA_SETTING, raising=False)
+    monkeypatch.setattr(w4a8_linear.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"fp", "asimd"})  # a Raspberry Pi 4 (Cortex-A72)
+    assert w4a8_linear.w4a8_unavailable() == "it needs a CPU with asimddp; this one lacks asimddp"
+    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"fp", "asimd", "asimddp"})
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(w4a8_linear.shutil, "which", lambda name: None if name == "no-such-compiler" else name)
+    assert w4a8_linear.w4a8_unavailable() == (
+        "compiling its kernel needs a C++ compiler (no-such-compiler; Debian or Ubuntu: apt install g++, Fedora: "
+        "dnf install gcc-c++, macOS: xcode-select --install)")
 
 
 def test_forcing_a_variant_this_cpu_cannot_run_is_an_error_not_a_fallback(tmp_path, monkeypatch):

@@ -9,45 +9,8 @@
 // w4a8_simd.h's vectors, so the same algorithm (and order of every sum) is compiled for each instruction set.
 #include "attention.h"
 #include "w4a8_kernel.h"
-#include "w4a8_simd.h"
-#include <cmath>
+#include "row_ops.h"
 #include <vector>
-
-namespace {
-
-// out [R, n] = x / rms(x) * weight per row of n (n a multiple of 16); out may be x.
-void rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* v = x + r * n;
-    F16 squares = set16(0.f);
-    for (int64_t i = 0; i < n; i += 16) squares = fmadd16(load16(v + i), load16(v + i), squares);
-    const F16 inv = set16(1.f / std::sqrt(reduce_add(squares) / (float)n + eps));
-    for (int64_t i = 0; i < n; i += 16) store16(out + r * n + i, load16(v + i) * inv * load16(weight + i));
-  }
-}
-
-// One head [D] rotated in the half-split (NeoX) layout; cos, sin [D/2].
-void rotate(float* v, const float* cos, const float* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = v[i], b = v[i + half];
-    v[i] = a * cos[i] - b * sin[i];
-    v[i + half] = b * cos[i] + a * sin[i];
-  }
-}
-
-// act [R, I] = silu(gate) * up from gate_up [R, 2I] (I a multiple of 16).
-void silu_times_up(const float* gate_up, int64_t rows, int64_t inter, float* act) {
-  const F16 zero = set16(0.f), one = set16(1.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gate_up + r * 2 * inter;
-    for (int64_t i = 0; i < inter; i += 16) {
-      const F16 g = load16(gate + i);
-      store16(act + r * inter + i, g / (one + exp16(zero - g)) * load16(gate + inter + i));
-    }
-  }
-}
-
-}  // namespace
 
 class W4A8DecoderLayer {
  public:

@@ -1,32 +1,35 @@
-"""int4 weights x int8 activations on AVX-512 VNNI or AVX2: a CPU linear layer whose cost grows slowly with the
-number of rows, so verifying several drafted tokens costs little more than decoding one (on AVX-512, 4 tokens
+"""int4 weights x int8 activations on AVX-512 VNNI, AVX2 or ARM NEON: a CPU linear layer whose cost grows slowly with
+the number of rows, so verifying several drafted tokens costs little more than decoding one (on AVX-512, 4 tokens
 1.14x one, 8 tokens 1.72x: docs/benchmarks/verify_rows.py).
 
-PyTorch's int4 CPU kernel dequantizes every weight to float again for every row, so a forward of 8 tokens
-costs 3x one of a single token (docs/benchmarks/README.md), which is what makes speculation barely pay on an
-int4 target. Here activations are quantized to int8 per group of 32 inputs (as llama.cpp quantizes its
-activations), integer dot products (vpdpbusd, or vpmaddubsw on AVX2) consume the 4-bit codes directly, and a
-block of codes is unpacked once for several rows.
+PyTorch's int4 CPU kernel dequantizes every weight to float again for every row, so a forward of 8 tokens costs 3x
+one of a single token (docs/benchmarks/README.md), which is what makes speculation barely pay on an int4 target.
+Here activations are quantized to int8 per group of 32 inputs (as llama.cpp quantizes its activations), integer dot
+products (vpdpbusd, vpmaddubsw on AVX2, sdot on ARM) consume the 4-bit codes directly, and a block of codes is
+unpacked once for several rows.
 
-Weights take 4.625 bits each: 4-bit codes, and per group of 32 an 8-bit scale code and an 8-bit offset code,
-each times a bfloat16 multiplier per row and 256 inputs (llama.cpp's Q4_K has the same structure with 6-bit
-codes; float16 scales and offsets per group would cost 5 bits, and at one token a step reads every byte).
+Weights take 4.625 bits each: 4-bit codes, and per group of 32 an 8-bit scale code and an 8-bit offset code, each
+times a bfloat16 multiplier per row and 256 inputs (llama.cpp's Q4_K has the same structure with 6-bit codes;
+float16 scales and offsets per group would cost 5 bits, and at one token a step reads every byte).
 
-This is a different model from `--quant int4`: activations are rounded too. It is the same model for every
-batch of rows, though: each row is quantized on its own and summed in the same order whatever the number of
-rows, so a token's output does not depend on how many tokens share the forward (tested bit for bit).
+This is a different model from `--quant int4`: activations are rounded too. It is the same model for every batch of
+rows, though: each row is quantized on its own and summed in the same order whatever the number of rows, so a
+token's output does not depend on how many tokens share the forward (tested bit for bit).
 
-The kernel (w4a8_kernel.cpp, and w4a8_layer.cpp's fused decoder layer) is written once on w4a8_simd.h's vectors
-and compiled per instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI, or AVX2 and FMA, the best this CPU has (or
-the one SPECDECODE_W4A8_ISA names). Each variant is its own extension, compiled at first use by
-torch.utils.cpp_extension (g++ and ninja) into torch's extensions folder, about 35 s once per machine and variant.
-The weight layout is the same for all, so one cached quantized model serves every CPU, and the matmul gives the
-same floats on all (integer sums are exact, and the float scaling is the same per lane).
+The kernel (w4a8_core.cpp, and w4a8_layer.cpp's fused decoder layer) is written once on w4a8_simd.h's vectors and
+compiled per instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2 and FMA, or ARM NEON with the dot product, the
+best this CPU has (or the one SPECDECODE_W4A8_ISA names). Each variant is its own extension, compiled at first use
+by torch.utils.cpp_extension (g++ and ninja) into torch's extensions folder, about 35 s once per machine and
+variant. The weight layout is the same for all, so one cached quantized model serves every CPU, and the matmul
+gives the same floats on all (integer sums are exact, and the float scaling is the same per lane).
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,13 +45,19 @@ W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activa
 _TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
 _BLOCK_GROUPS = 8  # groups per bfloat16 multiplier of the 8-bit scale and offset codes (256 inputs, as Q4_K)
 ISA_SETTING = "SPECDECODE_W4A8_ISA"  # environment variable forcing a variant, e.g. to test AVX2 on AVX-512
-# The kernel's variants, best first: name -> (the CPU flags it needs, the g++ flags it is compiled with).
-# -march=native is not used, so a variant's build does not depend on which CPU compiled it.
+# The kernel's variants, best first: name -> (the CPU flags it needs, in Linux's /proc/cpuinfo names, and the
+# g++ flags it is compiled with). -march=native is not used, so a variant's build does not depend on which CPU
+# compiled it. NEON needs the dot product (asimddp: ARMv8.2-A on, e.g. Apple M1, Graviton 2, Raspberry Pi 5).
 VARIANTS = {
     "avx512": (("avx512f", "avx512bw", "avx512_vnni"), ("-mavx512f", "-mavx512bw", "-mavx512vnni")),
     "avx_vnni": (("avx2", "fma", "avx_vnni"), ("-mavx2", "-mfma", "-mavxvnni")),
     "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+    "neon": (("asimddp",), ("-march=armv8.2-a+dotprod",)),
 }
+# macOS names its CPU features in sysctl's hw.optional tree: those the variants need, by their Linux names.
+_DARWIN_FLAGS = {"hw.optional.avx2_0": "avx2", "hw.optional.fma": "fma", "hw.optional.avx512f": "avx512f",
+                 "hw.optional.avx512bw": "avx512bw", "hw.optional.avx512vnni": "avx512_vnni",
+                 "hw.optional.avxvnni": "avx_vnni", "hw.optional.arm.FEAT_DotProd": "asimddp"}
 
 
 def w4a8_fits(out_features: int, in_features: int) -> bool:
@@ -76,14 +85,32 @@ def w4a8_unavailable(quiet: bool = True) -> str | None:
         return None
     isa = kernel_isa()
     if isa is None:
-        missing = [flag for flag in VARIANTS["avx2"][0] if flag not in _cpu_flags()]
-        return (f"it needs a CPU with {', '.join(VARIANTS['avx2'][0])} (or {', '.join(VARIANTS['avx512'][0])}); "
-                f"this one lacks {', '.join(missing)}")
+        minimum = "neon" if platform.machine().lower() in ("aarch64", "arm64") else "avx2"
+        missing = [flag for flag in VARIANTS[minimum][0] if flag not in _cpu_flags()]
+        alternative = "" if minimum == "neon" else f" (or {', '.join(VARIANTS['avx512'][0])})"
+        return (f"it needs a CPU with {', '.join(VARIANTS[minimum][0])}{alternative}; this one lacks "
+                f"{', '.join(missing)}")
+    tools = missing_build_tools()
+    if tools:
+        return f"compiling its kernel needs {tools}"
     try:
         _kernel = load_variant(isa, quiet)
     except (RuntimeError, OSError, ImportError) as error:
-        return f"could not compile its kernel (it needs g++ and ninja): {str(error).splitlines()[0]}"
+        return f"could not compile its kernel: {str(error).splitlines()[0]}"
     return None
+
+
+def missing_build_tools() -> str:
+    """What compiling the kernel needs and this machine lacks, with where to get it ("" if nothing): the C++
+    compiler torch.utils.cpp_extension calls ($CXX, else c++) and ninja."""
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler}; Debian or Ubuntu: apt install g++, Fedora: dnf install gcc-c++, "
+                       f"macOS: xcode-select --install)")
+    if shutil.which("ninja") is None:
+        missing.append("ninja (pip install ninja)")
+    return " and ".join(missing)
 
 
 def kernel_isa() -> str | None:
@@ -111,7 +138,7 @@ def load_variant(isa: str, quiet: bool = True):
         if not quiet:
             print(f"loading the w4a8 kernel for {isa} (compiled once per machine, about 35 s)", file=sys.stderr,
                   flush=True)
-        files = ("w4a8_kernel.cpp", "attention.cpp", "w4a8_layer.cpp")
+        files = ("w4a8_core.cpp", "w4a8_kernel.cpp", "attention.cpp", "w4a8_layer.cpp")
         sources = [str(Path(__file__).with_name(name)) for name in files]
         # Hidden symbols: two variants loaded in one process must not call into each other's functions.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *VARIANTS[isa][1]]
@@ -121,15 +148,37 @@ def load_variant(isa: str, quiet: bool = True):
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags, from /proc/cpuinfo on Linux. Elsewhere (macOS, or a Linux without /proc) none
-    are found yet, so w4a8 reports itself unavailable; reading them there (sysctl) is not done yet, and ARM needs
-    its own kernel."""
+    """The CPU's feature flags in Linux's names: /proc/cpuinfo's "flags" (x86) or "Features" (ARM) line on Linux,
+    sysctl's hw.optional tree on macOS; empty where neither answers."""
+    if sys.platform == "darwin":
+        return _darwin_flags(_read_command(["sysctl", "hw.optional"]))
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def _darwin_flags(listing: str) -> set[str]:
+    """`sysctl hw.optional`'s lines ("hw.optional.avx2_0: 1") -> the flags set to 1, in Linux's names."""
+    flags = set()
+    for line in listing.splitlines():
+        name, _, value = line.partition(":")
+        if value.strip() == "1" and name.strip() in _DARWIN_FLAGS:
+            flags.add(_DARWIN_FLAGS[name.strip()])
+    return flags
+
+
+def _read_command(command: list[str]) -> str:
+    """What a command prints, or "" where it cannot run."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:

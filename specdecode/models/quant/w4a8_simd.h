@@ -1,20 +1,28 @@
 // The vector operations the w4a8 kernel and fused layer are written in, for each instruction set they are
-// compiled for (w4a8_linear.py builds one extension per variant, with that variant's -m flags):
+// compiled for (w4a8_linear.py builds one extension per variant, with that variant's flags):
 //   AVX-512 (avx512f, avx512bw, avx512_vnni): V is one 512-bit register of 16 lanes;
-//   AVX2 + FMA (and AVX-VNNI where the CPU has it): V is one 256-bit register of 8 lanes.
-// F16, 16 floats, is one V or two, so code written on F16 is written once for both.
+//   AVX2 + FMA (and AVX-VNNI where the CPU has it): V is one 256-bit register of 8 lanes;
+//   ARM NEON with the dot product (ARMv8.2-A and later: Apple M1 on, Graviton 2 on, Raspberry Pi 5): V is one
+//   128-bit register of 4 lanes.
+// F16, 16 floats, is one V, two or four, so code written on F16 is written once for all.
 //
 // The variants compute the same floats: every operation here is per lane and rounded once (fused multiply-add
 // included, built with -ffp-contract=off so that nothing else is fused), the integer dot products are exact,
 // and horizontal sums and maxima pair lanes as GCC's _mm512_reduce_add_ps / _mm512_reduce_max_ps do.
 #pragma once
-#include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define W4A8_AVX512 1
-#elif !(defined(__AVX2__) && defined(__FMA__))
-#error "w4a8 needs -mavx512f -mavx512bw -mavx512vnni, or -mavx2 -mfma"
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define W4A8_NEON 1
+#include <arm_neon.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#else
+#error "w4a8 needs -mavx512f -mavx512bw -mavx512vnni, -mavx2 -mfma, or (on aarch64) -march=armv8.2-a+dotprod"
 #endif
 
 #ifdef W4A8_AVX512
@@ -80,6 +88,76 @@ inline VI vdot32(const VI codes[8], const int8_t* a) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums[j % Chains]) : "v"(codes[j]), "m"(quads[j]));
   }
   return Chains == 2 ? _mm512_add_epi32(sums[0], sums[Chains - 1]) : sums[0];
+}
+#elif defined(W4A8_NEON)
+constexpr int kLanes = 4;
+using V = float32x4_t;  // kLanes float32
+using VI = int32x4_t;   // kLanes int32, or 4 * kLanes bytes
+inline V vload(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, V v) { vst1q_f32(p, v); }
+inline V vset1(float x) { return vdupq_n_f32(x); }
+inline V vadd(V a, V b) { return vaddq_f32(a, b); }
+inline V vsub(V a, V b) { return vsubq_f32(a, b); }
+inline V vmul(V a, V b) { return vmulq_f32(a, b); }
+inline V vdiv(V a, V b) { return vdivq_f32(a, b); }
+inline V vmin(V a, V b) { return vminq_f32(a, b); }
+inline V vmax(V a, V b) { return vmaxq_f32(a, b); }
+inline V vfmadd(V a, V b, V c) { return vfmaq_f32(c, a, b); }   // a * b + c, rounded once
+inline V vfnmadd(V a, V b, V c) { return vfmsq_f32(c, a, b); }  // c - a * b, rounded once
+inline V vround(V a) { return vrndnq_f32(a); }                  // to nearest even
+// p * 2^n for integers n in [-126, 127], built in the exponent bits as the AVX2 variant does.
+inline V vpow2_times(V p, V n) {
+  const int32x4_t exponent = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(exponent));
+}
+inline V vfloat(VI a) { return vcvtq_f32_s32(a); }
+inline VI vround_int(V a) { return vcvtnq_s32_f32(a); }  // to nearest even, as torch.round
+inline VI vclamp(VI a, int low, int high) { return vminq_s32(vdupq_n_s32(high), vmaxq_s32(vdupq_n_s32(low), a)); }
+// Lanes already in [-128, 127], so narrowing keeps them.
+inline void vstore_int8(int8_t* p, VI a) {
+  const int16x4_t words = vmovn_s32(a);
+  vst1_lane_s32((int32_t*)p, vreinterpret_s32_s8(vmovn_s16(vcombine_s16(words, words))), 0);
+}
+inline int32_t vsum_int(VI a) { return vaddvq_s32(a); }
+inline V vfrom_u8(const uint8_t* p) {
+  const uint8x8_t bytes = vreinterpret_u8_u32(vld1_dup_u32((const uint32_t*)p));
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(bytes))));
+}
+inline V vfrom_s8(const uint8_t* p) {
+  const int8x8_t bytes = vreinterpret_s8_u32(vld1_dup_u32((const uint32_t*)p));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(bytes))));
+}
+inline V vfrom_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+inline void vstore_high_halves(uint16_t* p, VI bits) { vst1_u16(p, vshrn_n_u32(vreinterpretq_u32_s32(bits), 16)); }
+inline VI vbits(V a) { return vreinterpretq_s32_f32(a); }
+inline V vfrom_bits(VI a) { return vreinterpretq_f32_s32(a); }
+inline VI vadd_int(VI a, VI b) { return vaddq_s32(a, b); }
+inline VI vand_int(VI a, VI b) { return vandq_s32(a, b); }
+inline VI vshift_right_int(VI a, int bits) {  // logical, as srli (a negative count shifts right)
+  return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a), vdupq_n_s32(-bits)));
+}
+inline VI vset1_int(int32_t x) { return vdupq_n_s32(x); }
+
+inline VI vload_codes(const uint8_t* p) { return vreinterpretq_s32_u8(vld1q_u8(p)); }
+inline VI vlow_nibbles(VI a) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(a), vdupq_n_u8(0x0F))); }
+inline VI vhigh_nibbles(VI a) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(a), 4)); }
+// sdot multiplies signed bytes; codes are at most 15, so read as signed they are the same numbers, and the int32
+// sums are exactly vpdpbusd's. The activations' quad j is lane j % 4 of one of two 16-byte loads (sdot's
+// by-element form broadcasts it). Two chains for a row alone, as on AVX-512.
+template <int Chains = 2>
+inline VI vdot32(const VI codes[8], const int8_t* a) {
+  const int8x16_t low = vld1q_s8(a), high = vld1q_s8(a + 16);  // activations 0-15 and 16-31
+  constexpr int odd = Chains == 2 ? 1 : 0;
+  VI sums[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
+  sums[0] = vdotq_laneq_s32(sums[0], vreinterpretq_s8_s32(codes[0]), low, 0);
+  sums[odd] = vdotq_laneq_s32(sums[odd], vreinterpretq_s8_s32(codes[1]), low, 1);
+  sums[0] = vdotq_laneq_s32(sums[0], vreinterpretq_s8_s32(codes[2]), low, 2);
+  sums[odd] = vdotq_laneq_s32(sums[odd], vreinterpretq_s8_s32(codes[3]), low, 3);
+  sums[0] = vdotq_laneq_s32(sums[0], vreinterpretq_s8_s32(codes[4]), high, 0);
+  sums[odd] = vdotq_laneq_s32(sums[odd], vreinterpretq_s8_s32(codes[5]), high, 1);
+  sums[0] = vdotq_laneq_s32(sums[0], vreinterpretq_s8_s32(codes[6]), high, 2);
+  sums[odd] = vdotq_laneq_s32(sums[odd], vreinterpretq_s8_s32(codes[7]), high, 3);
+  return odd ? vaddq_s32(sums[0], sums[1]) : sums[0];
 }
 #else
 constexpr int kLanes = 8;
@@ -176,8 +254,8 @@ inline VI vdot32(const VI codes[8], const int8_t* a) {
 
 constexpr int kParts = 16 / kLanes;  // registers per 16 floats
 // Rows of activations the matmul takes against one unpacked block of codes: its accumulators and the 8 code
-// registers fit the register file (32 registers on AVX-512, 16 on AVX2).
-constexpr int kRowsPerPass = kLanes == 16 ? 8 : 4;
+// registers fit the register file (32 registers on AVX-512 and NEON, 16 on AVX2).
+constexpr int kRowsPerPass = kLanes == 8 ? 4 : 8;
 
 struct F16 {
   V part[kParts];
@@ -235,6 +313,18 @@ inline F16 fmadd16(F16 a, F16 b, F16 c) {  // a * b + c, rounded once
 #ifdef W4A8_AVX512
 inline float reduce_add(F16 v) { return _mm512_reduce_add_ps(v.part[0]); }
 inline float reduce_max(F16 v) { return _mm512_reduce_max_ps(v.part[0]); }
+#elif defined(W4A8_NEON)
+// Lanes i and i + 8, then i and i + 4, then i and i + 2, then the two left, as on AVX2.
+inline float reduce_add(F16 v) {
+  const float32x4_t fours = vaddq_f32(vaddq_f32(v.part[3], v.part[1]), vaddq_f32(v.part[2], v.part[0]));
+  const float32x4_t twos = vaddq_f32(fours, vextq_f32(fours, fours, 2));
+  return vgetq_lane_f32(twos, 0) + vgetq_lane_f32(twos, 1);
+}
+inline float reduce_max(F16 v) {
+  const float32x4_t fours = vmaxq_f32(vmaxq_f32(v.part[3], v.part[1]), vmaxq_f32(v.part[2], v.part[0]));
+  const float32x4_t twos = vmaxq_f32(fours, vextq_f32(fours, fours, 2));
+  return std::max(vgetq_lane_f32(twos, 0), vgetq_lane_f32(twos, 1));
+}
 #else
 // Lanes i and i + 8, then i and i + 4, then i and i + 2, then the two left: the pairing (and operand order)
 // of GCC's _mm512_reduce_add_ps / _mm512_reduce_max_ps, so the AVX-512 variant sums alike.

@@ -1,0 +1,127 @@
+// int4 weights x int8 activations for small batches of rows on AVX-512 VNNI, AVX2 or ARM NEON (see
+// w4a8_linear.py for the why, and w4a8_simd.h for what differs between them: the vector width and the integer
+// dot product). Free of torch (w4a8_core.h); w4a8_kernel.cpp calls it from the extension.
+//
+// Weight layout, per tile of 16 output rows and group of 32 inputs (g), and block of 8 groups (256 inputs):
+//   codes         [N/16, K/32, 256] uint8: four runs of 64 bytes; byte 4n+b of run p holds the 4-bit code of
+//                 (row n, input 4p+b) in its low nibble and of (row n, input 16+4p+b) in its high nibble, so
+//                 one 64-byte load and a mask give 16 rows x 4 inputs, the operand shape of vpdpbusd (on AVX2,
+//                 bytes 0-31 and 32-63 of a run give rows 0-7 and 8-15, the same shape for vpmaddubsw; on NEON,
+//                 each 16 bytes give 4 rows x 4 inputs, the shape of sdot);
+//   group_scales  [N/16, K/32, 32] uint8: the 16 rows' scale codes (uint8), then their offset codes (int8);
+//   block_scales  [N/16, ceil(K/256), 32] bfloat16: the 16 rows' scale multipliers, then offset multipliers.
+// w = code * (scale code * scale multiplier) + offset code * offset multiplier: 4.625 bits per weight, as
+// llama.cpp's Q4_K spends 4.5 (its scales have 6 bits), where float16 scales and offsets per group cost 5.
+// Activations are quantized per row and group of 32 to int8 with scale d; a group's contribution to an
+// output is then d * (scale * sum(code * a) + offset * sum(a)), with the integer sum exact.
+// Each row is quantized on its own and reduced in the same order whatever M is, so results are batch-invariant.
+#include "w4a8_core.h"
+#include "w4a8_simd.h"
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// Activations [M, K] float32 -> int8 codes per group of 32, with the group's scale d and d * sum(codes).
+// Rounding is to nearest even (vround_int), as torch.round does.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  QuantizedRows rows{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  int8_t* q = rows.codes.data();
+  float* d = rows.scales.data();
+  float* dsum = rows.scaled_sums.data();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + m * K + g * 32;
+      F16 halves[2] = {load16(v), load16(v + 16)};
+      const float amax = reduce_max(max16(abs16(halves[0]), abs16(halves[1])));
+      const float scale = amax / 127.f;
+      const V inv = vset1(scale > 0.f ? 1.f / scale : 0.f);
+      int32_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kParts; ++i) {
+          const VI codes = vclamp(vround_int(vmul(halves[h].part[i], inv)), -127, 127);
+          vstore_int8(q + m * K + g * 32 + 16 * h + kLanes * i, codes);
+          sum += vsum_int(codes);
+        }
+      }
+      d[m * G + g] = scale;
+      dsum[m * G + g] = scale * (float)sum;
+    }
+  }
+  return rows;
+}
+
+// MB rows (at most kRowsPerPass) against one tile of 16 output rows, kLanes of the tile's rows at a time. Each
+// output is summed over the groups in order whatever the variant, so the variants' floats are the same.
+// Groups ahead to prefetch codes and scale codes (2 KB; 4 and 16 measured slower). From about 4 rows on the
+// kernel is bound by its multiplies, and the hardware prefetcher alone left the stream and those multiplies
+// taking turns: verifying 8 rows cost 2.1x one token with it, 1.7x with this (docs/benchmarks/verify_rows.py).
+constexpr int kPrefetchGroups = 8;
+template <int MB>
+static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q, const float* d,
+                      const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
+  const int64_t G = K / 32;
+  for (int lane0 = 0; lane0 < 16; lane0 += kLanes) {
+    V acc[MB];  // unrolled loops over rows keep these in registers (GCC kept them on the stack otherwise)
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i) acc[i] = vset1(0.f);
+    V scale_unit = acc[0], offset_unit = acc[0];
+    for (int64_t g = 0; g < G; ++g) {
+      if (g % 8 == 0) {
+        scale_unit = vfrom_bf16(bs + g / 8 * 32 + lane0);
+        offset_unit = vfrom_bf16(bs + g / 8 * 32 + 16 + lane0);
+      }
+      // Rows lane0 to lane0 + kLanes - 1 of the tile are bytes 4 * lane0 onwards of each 64-byte run.
+      const uint8_t* block = w + g * 256 + 4 * lane0;
+      // Past the tile's last group this reaches into the next tile's, which is the next one a thread takes (past
+      // the weight's end, a prefetch does not fault).
+      const uint8_t* ahead = w + (g + kPrefetchGroups) * 256;
+      for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+      if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
+      VI codes[8];
+      for (int p = 0; p < 4; ++p) {
+        const VI v = vload_codes(block + 64 * p);
+        codes[p] = vlow_nibbles(v);
+        codes[p + 4] = vhigh_nibbles(v);
+      }
+      const V sv = vmul(vfrom_u8(gs + g * 32 + lane0), scale_unit);
+      const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + lane0), offset_unit);
+#pragma GCC unroll 16
+      for (int i = 0; i < MB; ++i) {
+        const V dot = vfloat(vdot32<(MB < 4 ? 2 : 1)>(codes, q + i * K + g * 32));
+        acc[i] = vfmadd(dot, vmul(sv, vset1(d[i * G + g])), acc[i]);
+        acc[i] = vfmadd(zv, vset1(dsum[i * G + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) vstore(out + i * N + lane0, bias ? vadd(acc[i], vload(bias + lane0)) : acc[i]);
+  }
+}
+
+// tile_rows<rows> for a rows in [1, MB] known at run time.
+template <int MB>
+static void tile_rows_up_to(int rows, const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
+                            const float* d, const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
+  if (rows == MB) {
+    tile_rows<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
+  } else if constexpr (MB > 1) {
+    tile_rows_up_to<MB - 1>(rows, w, gs, bs, q, d, dsum, K, N, bias, out);
+  }
+}
+
+// Rows go kRowsPerPass at a time so that a tile's unpacked codes stay in registers.
+void w4a8_tiles(const QuantizedRows& x, const W4A8View& weight, int64_t first_tile, int64_t end_tile, float* out) {
+  const int64_t M = x.rows, K = weight.in_features, N = weight.out_features, G = K / 32;
+  for (int64_t t = first_tile; t < end_tile; ++t) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int rows = (int)std::min<int64_t>(kRowsPerPass, M - m0);
+      const uint8_t* wt = weight.codes + t * G * 256;
+      const uint8_t* gt = weight.group_scales + t * G * 32;
+      const uint16_t* bt16 = weight.block_scales + t * ((G + 7) / 8) * 32;
+      const int8_t* qm = x.codes.data() + m0 * K;
+      const float* dm = x.scales.data() + m0 * G;
+      const float* dsm = x.scaled_sums.data() + m0 * G;
+      const float* bt = weight.bias ? weight.bias + t * 16 : nullptr;
+      tile_rows_up_to<kRowsPerPass>(rows, wt, gt, bt16, qm, dm, dsm, K, N, bt, out + m0 * N + t * 16);
+    }
+  }
+}
