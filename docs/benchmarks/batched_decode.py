@@ -2,7 +2,7 @@
 
 Run from the repository root (about 12 minutes on 2 cores):
 
-    python docs/benchmarks/batched_decode.py [--prompts 16] [--max-tokens 128] [--methods none,ngram,ngram,draft]
+    python docs/benchmarks/batched_decode.py [--prompts 16] [--max-tokens 128] [--methods "none;ngram;ngram,draft;auto"]
 
 The same prompts (HumanEval's first N, chat template, greedy, natural ends of turn) go through N slots as the
 server's batched scheduler runs them: N requests step together in Engine.step_many, and a finished one's slot
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 from batched_runs import admit, step_active  # noqa: E402 - the tests' batched driver, as the server steps
+from plain_vs_llamacpp import spec_for  # noqa: E402 - "auto" as generate resolves it for the default pair
 
 from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
 from specdecode.bench.datasets import load_questions  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
     print("| method | slots | decode tokens/s | vs 1 slot | prefill s | identical to alone |")
     print("|---|---|---|---|---|---|")
     for method in args.methods.split(";"):
-        spec = SpecConfig(method)
+        spec = spec_for(method)
         alone = None
         for slots in [int(n) for n in args.slots.split(",")]:
             outputs, decode, prefill = run_slots(engine, prompts, sampling, spec, slots)

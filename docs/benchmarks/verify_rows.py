@@ -26,7 +26,7 @@ from specdecode import load_model
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-SOURCES = ("w4a8_kernel.cpp", "attention.cpp", "w4a8_layer.cpp", "w4a8_kernel.h", "attention.h", "w4a8_simd.h")
+QUANT = "specdecode/models/quant"
 
 
 def kernel_at(commit: str, isa: str):
@@ -34,13 +34,16 @@ def kernel_at(commit: str, isa: str):
     from torch.utils.cpp_extension import load
 
     folder = Path(tempfile.mkdtemp(prefix=f"w4a8-{commit}-"))
-    for name in SOURCES:
-        text = subprocess.run(["git", "show", f"{commit}:specdecode/models/quant/{name}"], check=True,
-                              capture_output=True, text=True).stdout
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{QUANT}"], check=True, capture_output=True,
+                             text=True).stdout.split()
+    names = [name for name in listing if name.endswith((".cpp", ".h"))]  # that commit's own set of C++ files
+    for name in names:
+        text = subprocess.run(["git", "show", f"{commit}:{QUANT}/{name}"], check=True, capture_output=True,
+                              text=True).stdout
         (folder / name).write_text(text)
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *w4a8_linear.VARIANTS[isa][1]]
-    return load(name=f"specdecode_w4a8_{isa}_{commit}", sources=[str(folder / name) for name in SOURCES[:3]],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    return load(name=f"specdecode_w4a8_{isa}_{commit}", extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                sources=[str(folder / name) for name in names if name.endswith(".cpp")])
 
 
 def main() -> None:

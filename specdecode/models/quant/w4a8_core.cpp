@@ -61,39 +61,56 @@ template <int MB>
 static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q, const float* d,
                       const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   const int64_t G = K / 32;
-  for (int lane0 = 0; lane0 < 16; lane0 += kLanes) {
-    V acc[MB];  // unrolled loops over rows keep these in registers (GCC kept them on the stack otherwise)
+  // Registers of kLanes outputs taken per pass over the groups. A row alone is bound by latency and the stream,
+  // not by the multiplies: it takes the whole tile in one pass (on AVX2 and NEON, 2 or 4 independent chains and
+  // one walk over the codes). Several rows keep to one register each, so that their accumulators fit.
+  constexpr int H = MB == 1 ? kParts : 1;
+  for (int lane0 = 0; lane0 < 16; lane0 += kLanes * H) {
+    V acc[MB][H];  // unrolled loops over rows keep these in registers (GCC kept them on the stack otherwise)
 #pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) acc[i] = vset1(0.f);
-    V scale_unit = acc[0], offset_unit = acc[0];
+    for (int i = 0; i < MB; ++i) {
+      for (int h = 0; h < H; ++h) acc[i][h] = vset1(0.f);
+    }
+    V scale_unit[H], offset_unit[H];
     for (int64_t g = 0; g < G; ++g) {
       if (g % 8 == 0) {
-        scale_unit = vfrom_bf16(bs + g / 8 * 32 + lane0);
-        offset_unit = vfrom_bf16(bs + g / 8 * 32 + 16 + lane0);
+        for (int h = 0; h < H; ++h) {
+          scale_unit[h] = vfrom_bf16(bs + g / 8 * 32 + lane0 + h * kLanes);
+          offset_unit[h] = vfrom_bf16(bs + g / 8 * 32 + 16 + lane0 + h * kLanes);
+        }
       }
-      // Rows lane0 to lane0 + kLanes - 1 of the tile are bytes 4 * lane0 onwards of each 64-byte run.
-      const uint8_t* block = w + g * 256 + 4 * lane0;
       // Past the tile's last group this reaches into the next tile's, which is the next one a thread takes (past
       // the weight's end, a prefetch does not fault).
       const uint8_t* ahead = w + (g + kPrefetchGroups) * 256;
       for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
       if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
-      VI codes[8];
-      for (int p = 0; p < 4; ++p) {
-        const VI v = vload_codes(block + 64 * p);
-        codes[p] = vlow_nibbles(v);
-        codes[p + 4] = vhigh_nibbles(v);
-      }
-      const V sv = vmul(vfrom_u8(gs + g * 32 + lane0), scale_unit);
-      const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + lane0), offset_unit);
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) {
+        const int first = lane0 + h * kLanes;  // the tile's rows first .. first + kLanes - 1
+        // ... are bytes 4 * first onwards of each 64-byte run.
+        const uint8_t* block = w + g * 256 + 4 * first;
+        VI codes[8];
+        for (int p = 0; p < 4; ++p) {
+          const VI v = vload_codes(block + 64 * p);
+          codes[p] = vlow_nibbles(v);
+          codes[p + 4] = vhigh_nibbles(v);
+        }
+        const V sv = vmul(vfrom_u8(gs + g * 32 + first), scale_unit[h]);
+        const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + first), offset_unit[h]);
 #pragma GCC unroll 16
-      for (int i = 0; i < MB; ++i) {
-        const V dot = vfloat(vdot32<(MB < 4 ? 2 : 1)>(codes, q + i * K + g * 32));
-        acc[i] = vfmadd(dot, vmul(sv, vset1(d[i * G + g])), acc[i]);
-        acc[i] = vfmadd(zv, vset1(dsum[i * G + g]), acc[i]);
+        for (int i = 0; i < MB; ++i) {
+          const V dot = vfloat(vdot32<(MB < 4 ? 2 : 1)>(codes, q + i * K + g * 32));
+          acc[i][h] = vfmadd(dot, vmul(sv, vset1(d[i * G + g])), acc[i][h]);
+          acc[i][h] = vfmadd(zv, vset1(dsum[i * G + g]), acc[i][h]);
+        }
       }
     }
-    for (int i = 0; i < MB; ++i) vstore(out + i * N + lane0, bias ? vadd(acc[i], vload(bias + lane0)) : acc[i]);
+    for (int i = 0; i < MB; ++i) {
+      for (int h = 0; h < H; ++h) {
+        const int first = lane0 + h * kLanes;
+        vstore(out + i * N + first, bias ? vadd(acc[i][h], vload(bias + first)) : acc[i][h]);
+      }
+    }
   }
 }
 
