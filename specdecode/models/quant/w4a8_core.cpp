@@ -86,8 +86,8 @@ static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, c
       if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
 #pragma GCC unroll 4
       for (int h = 0; h < H; ++h) {
-        const int first = lane0 + h * kLanes;  // the tile's rows first .. first + kLanes - 1
-        // ... are bytes 4 * first onwards of each 64-byte run.
+        // The tile's rows first .. first + kLanes - 1 are bytes 4 * first onwards of each 64-byte run.
+        const int first = lane0 + h * kLanes;
         const uint8_t* block = w + g * 256 + 4 * first;
         VI codes[8];
         for (int p = 0; p < 4; ++p) {
