@@ -99,9 +99,12 @@ def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
 
 def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
                rope_factors: np.ndarray | None = None,
-               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None, part: str = "all",
                ) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
     """Writes `hf_folder`'s model as a GGUF file the way llama.cpp's converter would.
+
+    part: "all"; "trunk" as its --no-mtp writes (block_count L, no nextn key, no MTP blocks); "mtp" as its --mtp
+    writes a companion (block_count L+n, the nextn key, only the MTP blocks and the embedding, norm and head).
 
     qtypes: GGUF name (e.g. "blk.0.ffn_down.weight", or "ffn_down.weight" for every block) -> the type to store
     it as, instead of the default mix; Q4_K and Q6_K tensors become random valid blocks (see the module doc).
@@ -115,7 +118,10 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
     writer.add_embedding_length(config["hidden_size"])
     # llama.cpp counts MTP ("nextn") blocks in block_count, after the trunk's.
     nextn = config.get("num_nextn_predict_layers", 0)
-    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    trunk = config["num_hidden_layers"]
+    if part == "trunk":
+        nextn = 0
+    writer.add_block_count(trunk + nextn)
     if nextn:
         writer.add_nextn_predict_layers(nextn)
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -137,6 +143,9 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
 
     stored = {}
     for name, weight in hf_weights(hf_folder).items():
+        block = int(name.split(".")[2]) if name not in _GLOBAL else None
+        if block is not None and (block < trunk if part == "mtp" else block >= trunk + nextn):
+            continue
         if name in _GLOBAL:
             gguf_name, qtype = _GLOBAL[name]
         else:

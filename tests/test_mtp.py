@@ -118,7 +118,7 @@ def test_inspect_says_what_a_model_brings(base, tmp_path, capsys):
     assert "MTP layers: none declared" in out and "mtp      no" in out and "suffix   yes" in out
     assert main(["inspect", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["mtp"] == {"declared": 1, "present": 1, "naming": "mimo", "dropped": False}
+    assert report["mtp"] == {"declared": 1, "present": 1, "naming": "mimo", "dropped": False, "companion": None}
     assert report["architecture"] == "mimo" and report["runs_here"]
     assert report["methods"][0] == {"method": "mtp", "usable": True, "flags": "--spec-type mtp",
                                     "why": "ships 1 MTP layer(s), no other download"}

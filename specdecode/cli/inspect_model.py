@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "source": str(source), "format": "gguf" if source.is_file() else "folder",
         "architecture": facts.architecture, "runs_here": facts.runs,
         "mtp": {"declared": facts.mtp_declared, "present": facts.mtp_present, "naming": facts.mtp_naming,
-                "dropped": facts.mtp_dropped},
+                "dropped": facts.mtp_dropped,
+                "companion": str(facts.mtp_companion) if facts.mtp_companion is not None else None},
         "drafters_beside": [{"kind": kind, "path": str(path)} for kind, path in drafters],
         "draft_models": drafts,
         "methods": [{"method": m, "usable": usable, "why": why, "flags": flags} for m, usable, why, flags in methods],
@@ -81,6 +82,9 @@ def _methods(facts: ModelSurvey, drafters: list[tuple[str, Path]], drafts: list[
     others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash", "dspark")})
     if facts.mtp_present:
         rows = [("mtp", True, f"ships {facts.mtp_present} MTP layer(s), no other download", "--spec-type mtp")]
+    elif facts.mtp_companion is not None:
+        rows = [("mtp", True, f"{facts.mtp_companion_layers} MTP layer(s) in {facts.mtp_companion.name} beside it, "
+                 "read with it", "--spec-type mtp")]
     elif facts.mtp_dropped:
         rows = [("mtp", False, "its config declares MTP layers but this file dropped them: use a file that keeps "
                  "them, or `specdecode train mtp`", "")]

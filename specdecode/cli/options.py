@@ -109,10 +109,8 @@ def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_f
     load_draft_anyway: serve's --allow-draft-override, a draft model for requests that ask for one."""
     path = drafter_paths(args.draft_head)
     wanted = spec_needs_model or load_draft_anyway
-    if spec_needs_files and path is None:
-        if spec_needs_model:
-            raise SpecDecodeError("these methods need both a draft model and a drafter's own weights: give the "
-                                  "draft model with --draft-model and the head with --draft-head PATH")
+    # Beside a draft model, a drafter's own weights come from --draft-head only; one that needs them says so.
+    if spec_needs_files and path is None and not spec_needs_model:
         path = args.draft_model  # --draft-model names the head here; a draft model can only be the default
         return (DEFAULT_DRAFT if wanted and args.model is None else None), path
     return (default_draft_name(args) if wanted else None), path

@@ -49,7 +49,7 @@ def shared_weights(resources: DrafterResources, method: str, what: str, load) ->
     path = resources.path_for(method)
     if path is None:
         raise SpecDecodeError(f"method '{method}' needs {what}: --draft-model PATH (a folder with config.json and "
-                              "safetensors weights)")
+                              "safetensors weights), or --draft-head PATH beside a draft model")
     key = f"{method}:{path}"
     if key not in resources.own_weights:
         model, description = load(path, resources.target.model, resources.context_limit + MAX_DRAFT_TOKENS + 2)

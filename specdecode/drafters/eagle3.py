@@ -81,7 +81,7 @@ class Eagle3Drafter(Drafter):
         path = resources.path_for("eagle3")
         if path is None:
             raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
-                                  "config.json and safetensors weights)")
+                                  "config.json and safetensors weights), or --draft-head PATH beside a draft model")
         target = resources.target.model
         key = f"eagle3:{path}"
         if key not in resources.own_weights:  # another configuration (chain or tree) may have loaded it

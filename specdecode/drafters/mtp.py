@@ -15,7 +15,9 @@ cost on a CPU, shrinks to those rows. Verification still uses the full head, so 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +30,8 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import module_bytes
 from specdecode.models.transformer import Transformer
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,16 +60,17 @@ class MTPState:
 @register
 class MTPDrafter(Drafter):
     name = "mtp"
-    caps = DrafterCaps(final_hidden=True, emits_probs=True)
+    caps = DrafterCaps(final_hidden=True, emits_probs=True, draft_files=True)
     Options = MTPOptions
     aliases = ("draft-mtp",)
     vllm_method = "mtp"
 
     def __init__(self, target: Transformer, options: MTPOptions, draft_head: nn.Module | None,
-                 draft_to_target: torch.Tensor | None):
+                 draft_to_target: torch.Tensor | None, companion: nn.ModuleList | None = None):
         self.target = target
         self.options = options
-        self.modules = len(target.mtp)
+        self.companion = companion  # modules from a companion file (mtp_companion.py); None: the target's own
+        self.modules = len(target.mtp if companion is None else companion)
         self.draft_head = draft_head  # None: the target's own head, over the whole vocabulary
         self.draft_to_target = draft_to_target  # [Vd] long: the target id of each draft-head row
 
@@ -73,19 +78,21 @@ class MTPDrafter(Drafter):
     def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
         model = resources.target.model
         config = model.config
-        if not config.mtp_layers:
+        companion = _companion(resources)
+        if not config.mtp_layers and companion is None:
             dropped = (f"; its config declares {config.mtp_declared} but the weights do not hold them (a "
                        "conversion or quantized upload dropped them)") if config.mtp_declared else ""
             raise SpecDecodeError(f"method 'mtp' needs a model that ships MTP layers, and {resources.target.name} "
-                                  f"has none{dropped}; `specdecode inspect MODEL` lists what a model can use, and "
-                                  "`specdecode train mtp` trains them onto a model")
+                                  f"has none{dropped}, nor an MTP companion file (llama.cpp's mtp-NAME.gguf) beside "
+                                  "it or given with --draft-model; `specdecode inspect MODEL` lists what a model can "
+                                  "use, and `specdecode train mtp` trains them onto a model")
         if not options.mtp_draft_vocab or options.mtp_draft_vocab >= config.vocab_size:
-            return cls(model, options, None, None)
+            return cls(model, options, None, None, companion)
         ids = frequent_ids(options.mtp_draft_vocab, config.vocab_size, resources.target.tokenizer.eos_token_ids)
         key = f"mtp-head:{options.mtp_draft_vocab}"
         if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
             resources.own_weights[key] = reduced_head(model, ids, resources.draft_quant)
-        return cls(model, options, resources.own_weights[key], ids.to(model.device))
+        return cls(model, options, resources.own_weights[key], ids.to(model.device), companion)
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         room = seq.capacity + seq.draft_length.maximum
@@ -122,8 +129,8 @@ class MTPDrafter(Drafter):
         return sum(cache.nbytes for cache in state.caches) if state is not None else 0
 
     def weights_bytes(self) -> int:
-        """A reduced draft head's rows (the modules themselves load with the target and count there)."""
-        return 0 if self.draft_head is None else module_bytes(self.draft_head)
+        """A reduced draft head's rows and a companion file's modules (the target's own count with it)."""
+        return sum(module_bytes(part) for part in (self.draft_head, self.companion) if part is not None)
 
     def _read_pending(self, seq: Sequence, state: MTPState) -> None:
         """Feed module 0 every committed position it has not read, in one forward."""
@@ -144,7 +151,7 @@ class MTPDrafter(Drafter):
         through the draft head. -> (logits [1, 1, Vd], fed-back hidden [1, T, H])."""
         with torch.inference_mode():
             return self.target.mtp_forward(index, tokens, hidden, positions, cache, logits_at=slice(-1, None),
-                                           head=self.draft_head)
+                                           head=self.draft_head, modules=self.companion)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-head logits [Vd] -> [V]: tokens outside the draft vocabulary get -inf, so q stays the law drafts
@@ -154,6 +161,33 @@ class MTPDrafter(Drafter):
         full = logits.new_full((self.target.config.vocab_size,), float("-inf"))  # [V]
         full[self.draft_to_target] = logits
         return full
+
+
+def _companion(resources: DrafterResources) -> nn.ModuleList | None:
+    """The MTP modules of a companion file: the one given (--draft-model, or --draft-head mtp=PATH), else, for a
+    target loaded from a GGUF file without MTP layers of its own, one beside it (mtp-*.gguf); None without either.
+    One path given for every drafter (--draft-head PATH) is this one's only when it is a GGUF file: a folder
+    there is another drafter's (auto pairs a model's MTP layers with an EAGLE-3 head that way)."""
+    from specdecode.models.formats.mtp_companion import companion_beside, load_companion
+
+    model = resources.target.model
+    given = resources.path_for("mtp")
+    if given is not None and not isinstance(resources.draft_path, dict) and not str(given).lower().endswith(".gguf"):
+        given = None
+    if given is not None:
+        path = Path(given).expanduser()
+    elif model.config.mtp_layers or not resources.target.name.lower().endswith(".gguf"):
+        return None
+    else:
+        path = companion_beside(Path(resources.target.name).expanduser())
+        if path is None:
+            return None
+    key = f"mtp:{path.resolve()}"
+    if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
+        modules, description = load_companion(path, model.config, model.dtype, model.device, resources.draft_quant)
+        log.info("%s", description)
+        resources.own_weights[key] = modules
+    return resources.own_weights[key]
 
 
 def frequent_ids(size: int, vocab: int, end_of_turn: frozenset[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_header import read_header
+from specdecode.models.formats.mtp_companion import companion_beside
 from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 _GGUF_RUNS = ("llama", "qwen2", "qwen3")  # general.architecture values our loader reads (Mistral is "llama")
@@ -35,12 +36,28 @@ class ModelSurvey:
     mtp_declared: int  # MTP modules the config or metadata declares
     mtp_present: int  # MTP modules whose tensors the weights hold
     mtp_naming: str | None  # "deepseek", "mimo", "qwen3.5" or "gguf nextn"; None without MTP tensors
+    mtp_companion: Path | None = None  # a GGUF file's MTP layers in a file of their own beside it (mtp-*.gguf)
 
     @property
     def mtp_dropped(self) -> bool:
         return self.mtp_declared > 0 and self.mtp_present == 0
 
+    @property
+    def mtp_usable(self) -> int:
+        """MTP layers `--spec-type mtp` would draft with: the file's own, else its companion's."""
+        return self.mtp_present or self.mtp_companion_layers
+
+    @property
+    def mtp_companion_layers(self) -> int:
+        if self.mtp_companion is None:
+            return 0
+        metadata = read_header(self.mtp_companion).metadata
+        return int(metadata.get(f"{metadata.get('general.architecture')}.nextn_predict_layers", 0))
+
     def mtp_line(self) -> str:
+        if self.mtp_companion is not None and not self.mtp_present:
+            return (f"{self.mtp_companion_layers} in the companion file {self.mtp_companion.name} beside it "
+                    "(llama.cpp's split layout)")
         if not self.mtp_declared and not self.mtp_present:
             return "none declared"
         if self.mtp_dropped:
@@ -78,7 +95,9 @@ def _survey_gguf(path: Path) -> ModelSurvey:
     declared = int(header.metadata.get(f"{arch}.nextn_predict_layers", 0))
     trunk = int(header.metadata.get(f"{arch}.block_count", 0)) - declared
     present = sum(f"blk.{trunk + j}.nextn.eh_proj.weight" in header.types for j in range(declared))
-    return ModelSurvey(path, arch, arch in _GGUF_RUNS, declared, present, "gguf nextn" if present else None)
+    companion = None if present else companion_beside(path)
+    return ModelSurvey(path, arch, arch in _GGUF_RUNS, declared, present, "gguf nextn" if present else None,
+                       companion)
 
 
 def _tensor_names(folder: Path) -> set[str]:
@@ -133,4 +152,4 @@ def ships_mtp(model: str | None) -> bool:
     if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
         return False  # the default models ship none; assembling one only to look would take a minute
     facts = survey(resolve_source(name, quiet=True))
-    return facts.runs and facts.mtp_present > 0
+    return facts.runs and facts.mtp_usable > 0

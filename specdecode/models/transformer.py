@@ -180,17 +180,19 @@ class Transformer(nn.Module):
 
     def mtp_forward(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, attn_mask: torch.Tensor | None = None, logits_at: slice | None = None,
-                    head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    head: nn.Module | None = None, modules: nn.ModuleList | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module `index` over tokens [B, T] (each the token after its hidden state's), hidden [B, T, H],
         positions [B, T] (the hidden states' positions); attn_mask and logits_at as forward's; `head` replaces
-        lm_head (a reduced draft vocabulary).
+        lm_head (a reduced draft vocabulary); `modules` replace the model's own (a companion file's).
         -> (logits [B, T', V or Vd] float32, the hidden a further step feeds back [B, T, H])."""
         new = tokens.shape[1]
         cache.check_room(new)
         mask = attention_mask(positions, cache, attn_mask, self.config.sliding_window)
         cos, sin = (part.to(self.dtype) for part in self.rope.lookup(positions))  # fused trunks keep float32
         cache.record_positions(positions)
-        head_input, fed_back = self.mtp[index](self.embed(tokens), hidden.to(self.dtype), cos, sin, cache, mask)
+        module = (self.mtp if modules is None else modules)[index]
+        head_input, fed_back = module(self.embed(tokens), hidden.to(self.dtype), cos, sin, cache, mask)
         cache.advance(new)
         if logits_at is not None:
             head_input = head_input[:, logits_at]

@@ -36,7 +36,7 @@ def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     for i in range(config.num_layers):
         sources.update(_block_sources(f"layers.{i}.", f"layers.{i}.", config))
     for j in range(config.mtp_layers):
-        sources.update(_mtp_sources(j, config))
+        sources.update(mtp_sources(j, config))
     return sources
 
 
@@ -76,7 +76,7 @@ def mtp_prefix(j: int, config: ModelConfig) -> str:
     return f"mtp_layers.{j}." if config.mtp_layout == "mimo" else f"layers.{config.num_layers + j}."
 
 
-def _mtp_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
+def mtp_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
     src, dst = mtp_prefix(j, config), f"mtp.{j}."
     sources = {f"{dst}{ours}.weight": [f"{src}{theirs}.weight"] for ours, theirs in MTP_NAMES[config.mtp_layout].items()}
     return sources | _block_sources(dst + "block.", src, config)
@@ -93,7 +93,7 @@ def mtp_tensors_present(names: set[str], config: ModelConfig) -> int:
     if not config.mtp_declared:
         return 0
     declared = replace(config, mtp_layers=config.mtp_declared)
-    wanted = {name for j in range(config.mtp_declared) for names_ in _mtp_sources(j, declared).values()
+    wanted = {name for j in range(config.mtp_declared) for names_ in mtp_sources(j, declared).values()
               for name in names_}
     found = wanted & names
     if found and found != wanted:
