@@ -16,6 +16,7 @@ from mtp_reference import add_mtp_layers
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
+from specdecode.models.formats.mtp_companion import load_companion
 from specdecode.models.loader import load_model
 from specdecode.training.eagle3_train import default_layer_ids
 from specdecode.training.features import check_manifest, extract
@@ -128,6 +129,16 @@ def test_a_gguf_target_gets_a_gguf_with_its_nextn_layers(tmp_path, capsys):
             outputs.append(model.mtp_forward(0, torch.tensor([tokens[1:]]), trunk.final_hidden[:, :-1],
                                              torch.arange(19)[None], model.new_mtp_cache(20))[0])
     assert torch.allclose(outputs[0], outputs[1], atol=2e-2)  # the same module; float16 in the GGUF file
+    # The companion holds the very same modules, for use beside the original file.
+    companion = tmp_path / "out" / "mtp-tiny.gguf"
+    assert f"--draft-model {companion}" in err
+    original = load_model(gguf_path, dtype="float32", quant="none").model
+    modules, _ = load_companion(companion, original.config, original.dtype, original.device, "none")
+    with torch.inference_mode():
+        trunk = original(torch.tensor([tokens]), torch.arange(20)[None], original.new_cache(20), final_hidden=True)
+        beside = original.mtp_forward(0, torch.tensor([tokens[1:]]), trunk.final_hidden[:, :-1],
+                                      torch.arange(19)[None], original.new_mtp_cache(20), modules=modules)[0]
+    assert torch.equal(beside, outputs[0])
     sampling = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = Engine(load_model(gguf_path, dtype="float32")).complete("hello", sampling).token_ids
     assert Engine(from_gguf).complete("hello", sampling, SpecConfig("mtp")).token_ids == plain

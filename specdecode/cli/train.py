@@ -163,5 +163,7 @@ def _usage(args: argparse.Namespace, out: Path) -> str:
     if args.kind in BLOCK_KINDS:
         return f"specdecode generate \"...\" --model {args.target} --spec-type {args.kind} --draft-model {out}"
     model = next(iter(sorted(out.glob("*-mtp.gguf"))), out)  # the GGUF file keeps the target's own quantization
+    companion = next(iter(sorted(out.glob("mtp-*.gguf"))), None)
+    beside = f"; or --model {args.target} --draft-model {companion} (no second trunk)" if companion else ""
     return (f"specdecode generate \"...\" --model {model} --spec-type mtp --mtp-draft-vocab {args.draft_vocab} "
-            "(the vocabulary it was trained to draft over)")
+            f"(the vocabulary it was trained to draft over){beside}")

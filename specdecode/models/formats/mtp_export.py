@@ -6,7 +6,9 @@
   path reads) or DeepSeek naming (`model.layers.{L+j}.*`) otherwise;
 - when the target was a GGUF file: that file again with the modules added as llama.cpp stores them
   (`{arch}.nextn_predict_layers`, block_count counting them, `blk.{L+j}.nextn.*` and an ordinary block), its
-  own tensors copied bit for bit, so the fast path runs the very same trunk.
+  own tensors copied bit for bit, so the fast path runs the very same trunk; and the same modules as a
+  companion `mtp-NAME.gguf` (llama.cpp's split layout, mtp_companion.py: its metadata, embedding, final norm
+  and head, and the MTP blocks only), to use beside the original file without a second copy of the trunk.
 Every file is written under a temporary name and renamed: never half a model.
 """
 
@@ -84,14 +86,17 @@ def write_model_with_mtp(target: LoadedModel, modules: nn.ModuleList, out: Path,
             gguf_tensors = mtp_tensors(modules, replace(config, mtp_layout="deepseek"), torch.float32)
             _write(out / f"{origin.stem}-mtp.gguf", lambda partial: write_gguf_with_mtp(origin, partial, config,
                                                                                       gguf_tensors, quiet))
+            _write(out / f"mtp-{origin.stem}.gguf", lambda partial: write_gguf_with_mtp(
+                origin, partial, config, gguf_tensors, quiet, companion=True))
     except OSError as error:
         raise SpecDecodeError(f"cannot write the model with its MTP layers to {out} ({error})") from None
     return out
 
 
 def write_gguf_with_mtp(origin: Path, path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                        quiet: bool = True) -> None:
-    """`origin` again at `path` with DeepSeek-named MTP `tensors` added as llama.cpp stores them."""
+                        quiet: bool = True, companion: bool = False) -> None:
+    """`origin` again at `path` with DeepSeek-named MTP `tensors` added as llama.cpp stores them; `companion`:
+    without the trunk's blocks (llama.cpp's `--mtp` file)."""
     import gguf
 
     reader = open_gguf(origin)
@@ -107,6 +112,8 @@ def write_gguf_with_mtp(origin: Path, path: Path, config: ModelConfig, tensors: 
     writer.add_block_count(config.num_layers + config.mtp_layers)
     writer.add_nextn_predict_layers(config.mtp_layers)
     for tensor in reader.tensors:  # the trunk as it was: the same codes, so the same model
+        if companion and tensor.name.startswith("blk."):
+            continue
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)  # quantized: shape from bytes
     for name, weight in tensors.items():
         writer.add_tensor(_gguf_name(name, config), _gguf_rows(name, weight, config, arch))
