@@ -12,7 +12,8 @@ Where it looks:
 - a draft model: --draft-model, else the smallest assembled default model with the target's vocabulary and at
   most half its weights (the pairing rule of `specdecode models --drafts-for`); for the default target, the
   default draft whenever its package is installed;
-- MTP layers: in the target's own weights (models/survey.py reads its config and tensor names).
+- MTP layers: in the target's own weights (models/survey.py reads its config and tensor names), in a companion
+  file beside a GGUF target, or named with --draft-head mtp=PATH.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ LOOKUP = "suffix"  # measured ahead of ngram on HumanEval and repeated work (doc
 class AutoChoice:
     method: str  # a chain for SpecConfig, e.g. "suffix,eagle3,draft"
     draft_model: str | None  # the draft model to load, or None
-    draft_head: str | None  # the EAGLE-3 head folder, or None
+    draft_head: str | None  # the EAGLE-3 head folder, METHOD=PATH pairs (as --draft-head), or None
     reason: str  # one line: what was found and why
 
     def line(self) -> str:
@@ -68,17 +69,28 @@ def features_folder(target: str | None) -> Path:
 
 
 def choose(target: str | None, draft_model: str | None, draft_head: str | None) -> AutoChoice:
-    """The drafters for `target` (None: the default target) given what the user named and what is installed."""
+    """The drafters for `target` (None: the default target) given what the user named and what is installed.
+    draft_head: one EAGLE-3 head folder, or METHOD=PATH pairs (an EAGLE-3 head, an MTP companion file)."""
+    from specdecode.drafters.registry import drafter_paths
     from specdecode.models.survey import ships_mtp
 
+    given = drafter_paths(draft_head)
+    pairs = dict(given) if isinstance(given, dict) else None
     members, found = [LOOKUP], []
-    if ships_mtp(target):
+    if pairs is not None and "mtp" in pairs:
+        members.append("mtp")
+        found.append(f"MTP layers given at {pairs['mtp']}")
+    elif ships_mtp(target):
         members.append("mtp")
         found.append("the target ships MTP layers")
-    head = draft_head or _trained_head(target)
+    named = pairs.get("eagle3") if pairs is not None else given
+    head = named or _trained_head(target)
     if head is not None:
         members.append("eagle3")
-        found.append(f"EAGLE-3 head {'given' if draft_head else 'found'} at {head}")
+        found.append(f"EAGLE-3 head {'given' if named else 'found'} at {head}")
+    if pairs is not None and head is not None:
+        pairs["eagle3"] = head
+    head = ",".join(f"{method}={path}" for method, path in pairs.items()) if pairs else head
     draft = draft_model or _installed_sibling(target)
     if draft is not None:
         members.append("draft")

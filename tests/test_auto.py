@@ -45,6 +45,12 @@ def test_what_auto_finds(cache, tiny_target, monkeypatch):
     assert found.method == "suffix,eagle3" and found.draft_head == str(cache / "eagle3" / "tiny-target")
     assert "EAGLE-3 head found at" in found.line() and found.line().startswith("auto: suffix,eagle3")
     assert choose(str(tiny_target), None, "/elsewhere").draft_head == "/elsewhere"  # a given head wins
+    # METHOD=PATH pairs: an MTP companion named for mtp joins, and the head found beside it is kept.
+    paired = choose(str(tiny_target), None, "mtp=/x/mtp-m.gguf")
+    assert paired.method == "suffix,mtp,eagle3"
+    assert paired.draft_head == f"mtp=/x/mtp-m.gguf,eagle3={cache / 'eagle3' / 'tiny-target'}"
+    assert "MTP layers given at /x/mtp-m.gguf" in paired.reason
+    assert choose(str(tiny_target), None, "eagle3=/h").draft_head == "eagle3=/h"
     assert head_folder(None) == cache / "eagle3" / DEFAULT_TARGET
     assert head_folder("/models/x-q4_k_m.gguf") == cache / "eagle3" / "x-q4_k_m"
     # The default target pairs with the default draft when its package is installed.

@@ -11,7 +11,7 @@ import sys
 
 from specdecode.auto_method import AutoChoice, choose
 from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
-from specdecode.drafters.registry import DRAFTERS, all_options
+from specdecode.drafters.registry import DRAFTERS, all_options, drafter_paths
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -114,18 +114,6 @@ def draft_sources(args: argparse.Namespace, spec_needs_model: bool, spec_needs_f
         path = args.draft_model  # --draft-model names the head here; a draft model can only be the default
         return (DEFAULT_DRAFT if wanted and args.model is None else None), path
     return (default_draft_name(args) if wanted else None), path
-
-
-def drafter_paths(value: str | None) -> str | dict[str, str] | None:
-    """--draft-head: one folder, or METHOD=PATH pairs (comma-separated) when several drafters read their own."""
-    from specdecode.drafters.registry import DRAFTERS
-
-    if value is None or "=" not in value:
-        return value
-    pairs = [part.partition("=") for part in value.split(",")]
-    if not all(method in DRAFTERS and sep and path for method, sep, path in pairs):
-        return value  # a folder whose name holds "=": taken as one path
-    return {method: path for method, _, path in pairs}
 
 
 def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = False):

@@ -111,3 +111,13 @@ def member_key(cls: type[Drafter], spec: SpecConfig) -> tuple:
 
 def create_member(cls: type[Drafter], spec: SpecConfig, resources: DrafterResources) -> Drafter:
     return cls.create(resources, options_for(cls, spec))
+
+
+def drafter_paths(value: str | None) -> str | dict[str, str] | None:
+    """--draft-head: one folder, or METHOD=PATH pairs (comma-separated) when several drafters read their own."""
+    if value is None or "=" not in value:
+        return value
+    pairs = [part.partition("=") for part in value.split(",")]
+    if not all(method in DRAFTERS and sep and path for method, sep, path in pairs):
+        return value  # a folder whose name holds "=": taken as one path
+    return {method: path for method, _, path in pairs}
