@@ -96,6 +96,14 @@ class DFlashModel(nn.Module):
         # The target's, not owned: kept out of this module's parameters (and its state dict).
         self._shared = {"embed": target_embed, "head": target_head}
         self.rope: RopeTable | None = None
+        self.draft_head: nn.Linear | None = None  # a reduced draft vocabulary's own rows (use_draft_vocabulary)
+        self.draft_to_target: torch.Tensor | None = None  # [Vd] long: the target id of each draft-head row
+
+    def use_draft_vocabulary(self, ids: torch.Tensor, head: nn.Linear) -> None:
+        """Draft over the target ids `ids` [Vd] only, through `head` (their output rows); other tokens get -inf,
+        so they are never drafted and the drafts' law stays a law over the target's vocabulary."""
+        self.draft_head = head.to(dtype=self.dtype, device=self.device)
+        self.draft_to_target = ids.to(self.device)
 
     def finish_loading(self, max_positions: int) -> None:
         """Once weights, dtype and device are final: the drafter's own rope table."""
@@ -140,11 +148,17 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] after the output norm -> logits [N, V] float32 through the target's head."""
-        logits = self._shared["head"](hidden).float() * self.config.output_multiplier  # [N, V]
+        """hidden [N, H] after the output norm -> logits [N, V] float32 through the target's head (or the draft
+        vocabulary's rows, -inf elsewhere)."""
+        head = self._shared["head"] if self.draft_head is None else self.draft_head
+        logits = head(hidden).float() * self.config.output_multiplier  # [N, V or Vd]
         if self.config.logit_softcap:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
-        return logits
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((len(logits), self.config.layer.vocab_size), float("-inf"))  # [N, V]
+        full[:, self.draft_to_target] = logits
+        return full
 
     def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32

@@ -6,7 +6,8 @@ block_size, causal, ...}; `block_size` and `num_target_layers` may also sit at t
 checkpoints), and the reference reads every DFlash key from `dflash_config` first. Tensors: `fc`,
 `hidden_norm`, `layers.{i}.*` (a Qwen3 decoder layer), `norm`; an optional `model.` prefix and vLLM's aliases
 (`midlayer.` for `layers.0.`, `encoder.fc.`, `encoder.output_norm_enc.`) are read too. The embedding and the
-output head are the target's: copies stored in a checkpoint are left unread.
+output head are the target's: copies stored in a checkpoint are left unread, except the rows of a reduced
+draft vocabulary (`d2t`). vLLM's speculators layout is translated on the way in (dflash_speculators.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
+from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, output_head, \
+    zlab_form
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
@@ -30,31 +33,40 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "mlp.down_proj.weight": "mlp.down.weight"}
 STACKED = {"kv": ("self_attn.k_proj", "self_attn.v_proj"), "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")}
 ALIASES = {"midlayer.": "layers.0.", "encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-SHARED_COPIES = {"embed_tokens.weight", "lm_head.weight"}  # the target's own are used
+SHARED_COPIES = frozenset({"embed_tokens.weight", "lm_head.weight"})  # the target's own are used
 
 
 def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tuple[DFlashModel, str]:
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
     hf = read_drafter_config(folder, "a DFlash drafter")
+    layout = "speculators" if is_speculators(hf) else "z-lab"
+    if layout == "speculators":
+        hf = zlab_form(hf, folder)
     if slot_convention(hf) != "dflash":
         raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's layout, whose every slot drafts (DSpark, or "
                               "DeepSpec's DFlash baseline): use --spec-type dspark")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     fill(model, folder, target, max_positions)
+    vocabulary = draft_vocabulary(FolderWeights(sorted(folder.glob("*.safetensors"))), target.config.vocab_size,
+                                  config.layer.hidden_size, folder)
+    if vocabulary is not None:
+        model.use_draft_vocabulary(vocabulary[0], output_head(vocabulary[1]))
     ids = ", ".join(map(str, config.target_layer_ids))
-    return model, (f"DFlash drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "
-                   f"target layers {ids})")
+    vocab = f", a {len(vocabulary[0])}-token draft vocabulary" if vocabulary is not None else ""
+    return model, (f"DFlash drafter {folder.name} ({layout} layout, {config.layer.num_layers} layers, block "
+                   f"{config.block_size}, target layers {ids}{vocab})")
 
 
 def fill(model: DFlashModel, folder: Path, target: Transformer, max_positions: int, own_prefixes: tuple[str, ...] = (),
-         what: str = "DFlash drafter") -> None:
-    """Load the folder's tensors into `model` (checked), in the target's dtype and device, ready to draft."""
+         what: str = "DFlash drafter", unread: frozenset[str] = SHARED_COPIES | VOCAB_MAPS) -> None:
+    """Load the folder's tensors into `model` (checked), in the target's dtype and device, ready to draft;
+    `unread`: stored tensors that are not parameters (the target's copies, a draft vocabulary's maps)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecDecodeError(f"{folder} holds no *.safetensors weights")
-    load_checked(model, our_tensors(FolderWeights(files), folder, own_prefixes, what), folder, what)
+    load_checked(model, our_tensors(FolderWeights(files), folder, own_prefixes, what, unread), folder, what)
     model.to(dtype=target.dtype, device=target.device)
     model.finish_loading(max_positions)
     model.requires_grad_(False)
@@ -124,14 +136,14 @@ def default_target_layer_ids(target_layers: int, draft_layers: int) -> tuple[int
 
 
 def our_tensors(weights: FolderWeights, folder: Path, own_prefixes: tuple[str, ...] = (),
-                what: str = "DFlash drafter") -> dict[str, torch.Tensor]:
+                what: str = "DFlash drafter", unread: frozenset[str] = SHARED_COPIES) -> dict[str, torch.Tensor]:
     """Every stored tensor under our module's names (k/v and gate/up stacked); names under `own_prefixes` (a
     DSpark drafter's heads) are ours as stored."""
     ours: dict[str, torch.Tensor] = {}
     local: dict[tuple[str, str], str] = {}  # (layer index, name inside the layer) -> stored name
     for stored in sorted(weights.names()):  # FolderWeights already dropped a leading "model."
         name = next((new + stored[len(old):] for old, new in ALIASES.items() if stored.startswith(old)), stored)
-        if name in SHARED_COPIES:
+        if name in unread:
             continue
         if name in ("fc.weight", "hidden_norm.weight", "norm.weight") or name.startswith(own_prefixes):
             ours[name] = weights.get(stored)

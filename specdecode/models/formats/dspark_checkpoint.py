@@ -16,7 +16,8 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dspark_model import MARKOV_KINDS, DSparkHeads, DSparkModel
-from specdecode.models.formats.dflash_checkpoint import dflash_config, fill, published_tensors, slot_convention
+from specdecode.models.formats.dflash_checkpoint import SHARED_COPIES, dflash_config, fill, published_tensors, \
+    slot_convention
 from specdecode.models.formats.drafter_folder import read_drafter_config, write_drafter_folder
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
@@ -34,7 +35,7 @@ def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tu
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
     model = DSparkModel(config, heads, target.embed, target.lm_head)
-    fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter")
+    fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter", SHARED_COPIES)
     markov = f"{heads.markov_kind} Markov head of rank {heads.markov_rank}" if heads.markov_rank else "no Markov head"
     confidence = "a confidence head" if heads.confidence else "no confidence head"
     return model, (f"DSpark drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "

@@ -1,0 +1,77 @@
+"""DFlash drafters in vLLM's speculators layout (`speculators_model_type: "dflash"`, `DFlashSpeculator`), as
+vllm-project/speculators@c05b95b writes them (models/dflash/config.py, core.py, convert/dflash/converter.py) and
+vLLM's `update_dflash` reads them; facts in drafter-formats.md section 3.
+
+config.json: the draft layers' Qwen3 config nested in `transformer_layer_config`; `aux_hidden_state_layer_ids`
+index the target's hidden states as Hugging Face's `hidden_states` does (the input of layer k: z-lab's
+"output of layer k" + 1, so vLLM sets `dflash_config.target_layer_ids = aux - 1`); `block_size`,
+`mask_token_id`; `sliding_window_non_causal` (sliding-window layers attend both ways; full-attention layers
+always do); `draft_vocab_size`. `sample_from_anchor` (every slot drafts) is refused, as vLLM ignores it.
+Tensors: z-lab's names without a prefix, plus frozen copies of the target's `embed_tokens` and `lm_head`. With a
+draft vocabulary smaller than the target's, `lm_head` holds the target's rows of the draft tokens and `d2t`
+maps them back (target id = draft id + d2t[draft id], as EAGLE-3's); `t2d` only serves training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.weight_source import FolderWeights
+
+VOCAB_MAPS = frozenset({"d2t", "t2d"})  # read by draft_vocabulary below, never loaded as parameters
+
+
+def is_speculators(hf: dict) -> bool:
+    return "speculators_model_type" in hf
+
+
+def zlab_form(hf: dict, folder: Path) -> dict:
+    """A speculators DFlash config.json -> the z-lab form that dflash_checkpoint.dflash_config reads."""
+    kind = hf.get("speculators_model_type")
+    if kind == "eagle3":
+        raise SpecDecodeError(f"{folder} holds a speculators EAGLE-3 head, not a DFlash drafter: use --spec-type eagle3")
+    if kind != "dflash":
+        raise SpecDecodeError(f"{folder} holds a speculators {kind!r} drafter; of speculators' layouts this runtime "
+                              "reads EAGLE-3 and DFlash (DSpark drafters in DeepSpec's own layout)")
+    layer = hf.get("transformer_layer_config")
+    aux = hf.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not isinstance(aux, list) or not all(type(i) is int for i in aux):
+        raise SpecDecodeError(f"{folder}/config.json: a speculators DFlash config needs transformer_layer_config "
+                              "(an object) and aux_hidden_state_layer_ids (a list of layer ids)")
+    if hf.get("sample_from_anchor"):
+        raise SpecDecodeError(f"{folder}: sample_from_anchor (every slot drafting) is not read here, as vLLM does not "
+                              "read it either; a drafter trained that way drafts in DeepSpec's convention")
+    dflash = {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": hf.get("mask_token_id"),
+              "block_size": hf.get("block_size", 8)}
+    if hf.get("sliding_window_non_causal"):
+        dflash["causal"] = False  # else the z-lab rule is speculators' too: sliding layers causal, full ones not
+    return {**layer, "dflash_config": dflash}
+
+
+def draft_vocabulary(weights: FolderWeights, target_vocab: int, hidden: int, folder: Path
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the target ids of the draft vocabulary [Vd] long, the output rows for them [Vd, H]) when the folder
+    drafts over fewer tokens than the target has (a `d2t` table), else None (the target's own head is used)."""
+    if "d2t" not in weights.names():
+        return None
+    offsets = weights.get("d2t").long()  # [Vd]
+    ids = torch.arange(len(offsets)) + offsets  # [Vd]
+    rows = weights.get("lm_head.weight") if "lm_head.weight" in weights.names() else None  # [Vd, H]
+    if rows is None or tuple(rows.shape) != (len(ids), hidden):
+        raise SpecDecodeError(f"{folder}: d2t maps {len(ids)} draft tokens but lm_head "
+                              f"{'is missing' if rows is None else f'has shape {tuple(rows.shape)}'}")
+    if ids.min() < 0 or ids.max() >= target_vocab or len(ids.unique()) != len(ids):
+        raise SpecDecodeError(f"{folder}: d2t maps draft tokens outside the target's {target_vocab} or onto one "
+                              "token twice: it was made for another target")
+    return ids, rows
+
+
+def output_head(rows: torch.Tensor) -> nn.Linear:
+    """The draft vocabulary's output rows [Vd, H] as a layer of the drafter's own."""
+    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    layer.weight = nn.Parameter(rows.float(), requires_grad=False)
+    return layer
