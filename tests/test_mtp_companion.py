@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import save_tiny_model
+from safetensors.torch import load_file, save_file
 from gguf_files import write_gguf
 from mtp_reference import add_mtp_layers, reference_logits
 
@@ -117,6 +118,15 @@ def test_a_companion_for_another_model_or_not_a_companion_is_one_error(split, tm
     with pytest.raises(SpecDecodeError, match="holds MTP layers for another model: num_layers 2 against the "
                                               "target's 3"):
         load_companion(tmp_path / "mtp-other.gguf", target.config, target.dtype, target.device, "none")
+    # The same sizes but a block without a tensor the target's blocks have (a model with other biases or norms).
+    lacking = tmp_path / "lacking"
+    shutil.copytree(root / "with-mtp", lacking)
+    mtp_file = lacking / "model-mtp.safetensors"
+    save_file({k: v for k, v in load_file(mtp_file).items() if "mlp.down_proj" not in k}, str(mtp_file))
+    write_gguf(tmp_path / "mtp-lacking.gguf", lacking, "qwen2", quantized=False, part="mtp")
+    with pytest.raises(SpecDecodeError, match="MTP layer 0 does not fit the target \\(missing "
+                                              "layers.3.mlp.down_proj.weight\\)"):
+        load_companion(tmp_path / "mtp-lacking.gguf", target.config, target.dtype, target.device, "none")
 
 
 def test_beside_a_draft_model_a_drafter_without_its_weights_says_so_itself():
