@@ -51,6 +51,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(dim=-1)  # [..., V]
 
 
+def spread_to_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [..., Vd] (the target ids `ids` [Vd]) -> [..., V]: every other token gets
+    -inf, so it is never drafted and the law drafts follow stays a law over the target's vocabulary."""
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))  # [..., V]
+    full[..., ids] = logits
+    return full
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [..., V] (need not sum to 1) -> ids [...] long. Same generator state, same ids."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]; multinomial takes at most 2-D

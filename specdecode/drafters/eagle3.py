@@ -26,6 +26,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import module_bytes
+from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -177,10 +178,5 @@ class Eagle3Drafter(Drafter):
         return DraftProposal(torch.tensor(tokens), torch.tensor(parents), None, self.name)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> [..., V]: tokens outside the draft vocabulary get -inf, so q stays
-        the law drafts follow and they are never drafted."""
-        if not self.maps_vocab:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))  # [..., V]
-        full[..., self.head.draft_to_target] = logits
-        return full
+        """Draft-vocabulary logits [..., Vd] -> [..., V] (sampling.spread_to_vocab)."""
+        return spread_to_vocab(logits, self.head.draft_to_target, self.target_vocab) if self.maps_vocab else logits

@@ -29,6 +29,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.models.loader import module_bytes
 from specdecode.models.transformer import Transformer
+from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -154,13 +155,10 @@ class MTPDrafter(Drafter):
                                            head=self.draft_head, modules=self.companion)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-head logits [Vd] -> [V]: tokens outside the draft vocabulary get -inf, so q stays the law drafts
-        follow and they are never drafted."""
+        """Draft-head logits [Vd] -> [V] (sampling.spread_to_vocab)."""
         if self.draft_to_target is None:
             return logits
-        full = logits.new_full((self.target.config.vocab_size,), float("-inf"))  # [V]
-        full[self.draft_to_target] = logits
-        return full
+        return spread_to_vocab(logits, self.draft_to_target, self.target.config.vocab_size)
 
 
 def _companion(resources: DrafterResources) -> nn.ModuleList | None:

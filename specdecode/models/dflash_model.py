@@ -27,6 +27,7 @@ from specdecode.models.kv_cache import KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, apply_rope, inverse_frequencies
 from specdecode.models.transformer import MLP, RMSNorm
+from specdecode.sampling import spread_to_vocab
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,7 @@ class DFlashModel(nn.Module):
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         if self.draft_to_target is None:
             return logits
-        full = logits.new_full((len(logits), self.config.layer.vocab_size), float("-inf"))  # [N, V]
-        full[:, self.draft_to_target] = logits
-        return full
+        return spread_to_vocab(logits, self.draft_to_target, self.config.layer.vocab_size)  # [N, V]
 
     def block_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B] (the root, then masks) at positions [B] over the cached context -> logits [B-1, V] float32

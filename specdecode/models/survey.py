@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_header import read_header
-from specdecode.models.formats.mtp_companion import companion_beside
+from specdecode.models.formats.mtp_companion import companion_beside, companion_layers
 from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 _GGUF_RUNS = ("llama", "qwen2", "qwen3")  # general.architecture values our loader reads (Mistral is "llama")
@@ -37,6 +37,7 @@ class ModelSurvey:
     mtp_present: int  # MTP modules whose tensors the weights hold
     mtp_naming: str | None  # "deepseek", "mimo", "qwen3.5" or "gguf nextn"; None without MTP tensors
     mtp_companion: Path | None = None  # a GGUF file's MTP layers in a file of their own beside it (mtp-*.gguf)
+    mtp_companion_layers: int = 0  # the MTP layers that companion holds
 
     @property
     def mtp_dropped(self) -> bool:
@@ -46,13 +47,6 @@ class ModelSurvey:
     def mtp_usable(self) -> int:
         """MTP layers `--spec-type mtp` would draft with: the file's own, else its companion's."""
         return self.mtp_present or self.mtp_companion_layers
-
-    @property
-    def mtp_companion_layers(self) -> int:
-        if self.mtp_companion is None:
-            return 0
-        metadata = read_header(self.mtp_companion).metadata
-        return int(metadata.get(f"{metadata.get('general.architecture')}.nextn_predict_layers", 0))
 
     def mtp_line(self) -> str:
         if self.mtp_companion is not None and not self.mtp_present:
@@ -97,7 +91,7 @@ def _survey_gguf(path: Path) -> ModelSurvey:
     present = sum(f"blk.{trunk + j}.nextn.eh_proj.weight" in header.types for j in range(declared))
     companion = None if present else companion_beside(path)
     return ModelSurvey(path, arch, arch in _GGUF_RUNS, declared, present, "gguf nextn" if present else None,
-                       companion)
+                       companion, companion_layers(companion) if companion is not None else 0)
 
 
 def _tensor_names(folder: Path) -> set[str]:

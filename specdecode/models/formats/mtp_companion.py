@@ -53,6 +53,12 @@ def companion_beside(gguf_file: Path) -> Path | None:
     return None
 
 
+def companion_layers(path: Path) -> int:
+    """How many MTP layers the GGUF file `path` holds as a companion, from its header (0: not a companion)."""
+    header = read_header(path)
+    return _companion_layers(header.metadata, header.types)
+
+
 def _companion_layers(metadata: dict, types: dict) -> int:
     """How many MTP layers a file holds as a companion (its nextn blocks present, no trunk block 0), else 0."""
     arch = metadata.get("general.architecture")
@@ -73,8 +79,7 @@ def load_companion(path: Path, target_config: ModelConfig, dtype: torch.dtype, d
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise SpecDecodeError(f"{path}: MTP layers of their own come as a GGUF file (llama.cpp's mtp-NAME.gguf); "
                               "MTP layers in a model folder load with the model itself")
-    header = read_header(path)
-    count = _companion_layers(header.metadata, header.types)
+    count = companion_layers(path)
     if not count:
         raise SpecDecodeError(f"{path} is not an MTP companion file: it holds no nextn layers, or holds a trunk "
                               "too (a model that ships its MTP layers inside is loaded as the model itself)")
