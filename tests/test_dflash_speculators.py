@@ -98,9 +98,9 @@ def test_sliding_layers_follow_speculators_attention_rule(target, tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"sample_from_anchor": True}, "sample_from_anchor .* is not read here"),
-    ({"speculators_model_type": "eagle3"}, "a speculators EAGLE-3 head, not a DFlash drafter: use --spec-type eagle3"),
-    ({"speculators_model_type": "mtp"}, "reads EAGLE-3 and DFlash"),
+    ({"sample_from_anchor": True}, "sample_from_anchor .* is not read for a DFlash drafter"),
+    ({"speculators_model_type": "eagle3"}, "a speculators EAGLE-3 head, not a block drafter: use --spec-type eagle3"),
+    ({"speculators_model_type": "mtp"}, "reads EAGLE-3, DFlash and DSpark"),
     ({"aux_hidden_state_layer_ids": [1, 9]}, "not trained for this target: target layers \\[0, 8\\]"),
     ({"transformer_layer_config": None}, "needs transformer_layer_config"),
 ])

@@ -162,7 +162,7 @@ def test_block_size_option_and_errors(target, tmp_path):
     (folder / "config.json").write_text(json.dumps(hf))
     stored = load_file(folder / "model.safetensors")
     save_file(stored | {"d2t": torch.zeros(4, dtype=torch.long)}, folder / "model.safetensors")
-    with pytest.raises(SpecDecodeError, match="unknown tensor 'd2t' for a DSpark drafter"):
+    with pytest.raises(SpecDecodeError, match="d2t maps 4 draft tokens but lm_head is missing"):
         load_dspark(folder, target.model, 128)
 
 
@@ -185,7 +185,7 @@ def test_each_layout_is_refused_by_the_other_method(target, tmp_path):
     from specdecode.models.formats.dflash_checkpoint import load_dflash
 
     dspark = write_random_dspark(tmp_path / "s", target, DSparkHeads(markov_rank=0, confidence=False))
-    with pytest.raises(SpecDecodeError, match="DeepSpec's layout.*use --spec-type dspark"):
+    with pytest.raises(SpecDecodeError, match="DeepSpec's slot convention.*use --spec-type dspark"):
         load_dflash(dspark, target.model, 128)
     load_dspark(dspark, target.model, 128)  # DeepSpec's DFlash baseline: no heads, every slot drafts
     with pytest.raises(SpecDecodeError, match="z-lab's layout.*use --spec-type dflash"):

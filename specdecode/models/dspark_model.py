@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
+from specdecode.sampling import spread_to_vocab
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 
@@ -40,12 +41,15 @@ class DSparkHeads:
 class MarkovHead(nn.Module):
     """The low-rank correction of a slot's logits by the previous token (names as DeepSpec stores them)."""
 
-    def __init__(self, vocab: int, hidden: int, heads: DSparkHeads):
+    def __init__(self, vocab: int, hidden: int, heads: DSparkHeads, outputs: int | None = None):
+        """outputs: the rows of W2, the draft vocabulary's size when it is smaller than the target's `vocab`
+        (speculators' reduced vocabularies; W1 is indexed by target ids either way)."""
         super().__init__()
         rank = heads.markov_rank
-        self.kind, self.rank = heads.markov_kind, rank
+        self.kind, self.rank, self.vocab = heads.markov_kind, rank, vocab
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, outputs or vocab, bias=False)
+        self.draft_to_target: torch.Tensor | None = None  # [Vd] long: the target id of each W2 row, when reduced
         if self.kind == "gated":
             self.gate_proj = nn.Linear(hidden + rank, rank)
         elif self.kind == "rnn":
@@ -70,8 +74,12 @@ class MarkovHead(nn.Module):
         return torch.stack(latents, dim=1), state
 
     def bias(self, latents: torch.Tensor) -> torch.Tensor:
-        """latents [..., r] -> [..., V] float32, added to the slots' logits."""
-        return self.markov_w2(latents).float()
+        """latents [..., r] -> [..., V] float32, added to the slots' logits (-inf outside a reduced draft
+        vocabulary, where the head's logits are -inf too)."""
+        bias = self.markov_w2(latents).float()  # [..., V or Vd]
+        if self.draft_to_target is None:
+            return bias
+        return spread_to_vocab(bias, self.draft_to_target, self.vocab)
 
 
 class ConfidenceHead(nn.Module):
@@ -85,14 +93,22 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkModel(DFlashModel):
-    def __init__(self, config: DFlashConfig, heads: DSparkHeads, target_embed: nn.Embedding, target_head: nn.Module):
+    def __init__(self, config: DFlashConfig, heads: DSparkHeads, target_embed: nn.Embedding, target_head: nn.Module,
+                 draft_vocab: int | None = None):
+        """draft_vocab: the size of a reduced draft vocabulary the Markov head projects onto (then call
+        use_draft_vocabulary once the weights are in); None: the target's."""
         super().__init__(config, target_embed, target_head)
         self.heads = heads
         vocab, hidden = config.layer.vocab_size, config.layer.hidden_size
-        self.markov_head = MarkovHead(vocab, hidden, heads) if heads.markov_rank else None
+        self.markov_head = MarkovHead(vocab, hidden, heads, draft_vocab) if heads.markov_rank else None
         with_markov = heads.confidence_with_markov and self.markov_head is not None
         self.confidence_head = ConfidenceHead(hidden + (heads.markov_rank if with_markov else 0)) \
             if heads.confidence else None
+
+    def use_draft_vocabulary(self, ids: torch.Tensor, head: nn.Linear) -> None:
+        super().use_draft_vocabulary(ids, head)
+        if self.markov_head is not None:
+            self.markov_head.draft_to_target = ids.to(self.device)
 
     def start_state(self, rows: int) -> torch.Tensor:
         """[N, r] the Markov head's state before slot 0 (only the rnn kind uses it)."""

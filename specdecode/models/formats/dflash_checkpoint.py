@@ -44,8 +44,8 @@ def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tu
     if layout == "speculators":
         hf = zlab_form(hf, folder)
     if slot_convention(hf) != "dflash":
-        raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's layout, whose every slot drafts (DSpark, or "
-                              "DeepSpec's DFlash baseline): use --spec-type dspark")
+        raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's slot convention, whose every slot drafts "
+                              "(DSpark, or DeepSpec's DFlash baseline): use --spec-type dspark")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     fill(model, folder, target, max_positions)
@@ -122,7 +122,9 @@ def slot_convention(hf: dict) -> str:
     """"dspark" for DeepSpec's layout (every slot drafts, `sample_from_anchor`: its own DFlash baselines too, which
     have no Markov head), else "dflash" (z-lab's: slot 0 holds the root and drafts nothing)."""
     described = " ".join(map(str, hf.get("architectures") or [])).lower()
-    deepspec = "dspark" in described or hf.get("sample_from_anchor") is True or "markov_rank" in hf
+    nested = hf.get("dflash_config") or {}
+    deepspec = "dspark" in described or hf.get("sample_from_anchor") is True or "markov_rank" in hf \
+        or "markov_rank" in nested
     return "dspark" if deepspec else "dflash"
 
 

@@ -1,15 +1,20 @@
-"""DFlash drafters in vLLM's speculators layout (`speculators_model_type: "dflash"`, `DFlashSpeculator`), as
-vllm-project/speculators@c05b95b writes them (models/dflash/config.py, core.py, convert/dflash/converter.py) and
-vLLM's `update_dflash` reads them; facts in drafter-formats.md section 3.
+"""DFlash and DSpark drafters in vLLM's speculators layout (`speculators_model_type` "dflash" or "dspark";
+`DFlashSpeculator`, `DSparkSpeculator`), as vllm-project/speculators@c05b95b writes them (models/dflash/config.py,
+core.py, models/dspark/config.py, model_definitions.py, convert/dflash/converter.py) and vLLM's `update_dflash`
+reads them; facts in drafter-formats.md sections 3 and 4.
 
 config.json: the draft layers' Qwen3 config nested in `transformer_layer_config`; `aux_hidden_state_layer_ids`
 index the target's hidden states as Hugging Face's `hidden_states` does (the input of layer k: z-lab's
 "output of layer k" + 1, so vLLM sets `dflash_config.target_layer_ids = aux - 1`); `block_size`,
 `mask_token_id`; `sliding_window_non_causal` (sliding-window layers attend both ways; full-attention layers
-always do); `draft_vocab_size`. `sample_from_anchor` (every slot drafts) is refused, as vLLM ignores it.
-Tensors: z-lab's names without a prefix, plus frozen copies of the target's `embed_tokens` and `lm_head`. With a
-draft vocabulary smaller than the target's, `lm_head` holds the target's rows of the draft tokens and `d2t`
-maps them back (target id = draft id + d2t[draft id], as EAGLE-3's); `t2d` only serves training.
+always do); `draft_vocab_size`; `sample_from_anchor` (every slot drafts: DeepSpec's convention, DSpark's default;
+DFlash drafters must not set it, as vLLM ignores it for them). DSpark adds `markov_rank`, `markov_head_type`,
+`enable_confidence_head` and `confidence_head_with_markov` (speculators' defaults: 256, vanilla, true, true).
+Tensors: z-lab's names without a prefix (DSpark's heads as DeepSpec names them), plus frozen copies of the
+target's `embed_tokens` and `lm_head`. With a draft vocabulary smaller than the target's, `lm_head` holds the
+target's rows of the draft tokens and `d2t` maps them back (target id = draft id + d2t[draft id], as EAGLE-3's);
+a DSpark Markov head's `markov_w2` then projects onto the draft vocabulary too, while `markov_w1` stays indexed by
+target ids; `t2d` only serves training.
 """
 
 from __future__ import annotations
@@ -29,27 +34,39 @@ def is_speculators(hf: dict) -> bool:
     return "speculators_model_type" in hf
 
 
+SPECULATORS_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                               "confidence_head_with_markov": True}  # speculators' DSparkSpeculatorConfig
+
+
 def zlab_form(hf: dict, folder: Path) -> dict:
-    """A speculators DFlash config.json -> the z-lab form that dflash_checkpoint.dflash_config reads."""
+    """A speculators DFlash or DSpark config.json -> the form dflash_checkpoint.dflash_config (and, for DSpark,
+    dspark_checkpoint.dspark_heads) reads: the layer config with the block keys nested in `dflash_config`."""
     kind = hf.get("speculators_model_type")
     if kind == "eagle3":
-        raise SpecDecodeError(f"{folder} holds a speculators EAGLE-3 head, not a DFlash drafter: use --spec-type eagle3")
-    if kind != "dflash":
+        raise SpecDecodeError(f"{folder} holds a speculators EAGLE-3 head, not a block drafter: use --spec-type eagle3")
+    if kind not in ("dflash", "dspark"):
         raise SpecDecodeError(f"{folder} holds a speculators {kind!r} drafter; of speculators' layouts this runtime "
-                              "reads EAGLE-3 and DFlash (DSpark drafters in DeepSpec's own layout)")
+                              "reads EAGLE-3, DFlash and DSpark")
     layer = hf.get("transformer_layer_config")
     aux = hf.get("aux_hidden_state_layer_ids")
     if not isinstance(layer, dict) or not isinstance(aux, list) or not all(type(i) is int for i in aux):
-        raise SpecDecodeError(f"{folder}/config.json: a speculators DFlash config needs transformer_layer_config "
+        raise SpecDecodeError(f"{folder}/config.json: a speculators {kind} config needs transformer_layer_config "
                               "(an object) and aux_hidden_state_layer_ids (a list of layer ids)")
-    if hf.get("sample_from_anchor"):
-        raise SpecDecodeError(f"{folder}: sample_from_anchor (every slot drafting) is not read here, as vLLM does not "
-                              "read it either; a drafter trained that way drafts in DeepSpec's convention")
-    dflash = {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": hf.get("mask_token_id"),
-              "block_size": hf.get("block_size", 8)}
+    every_slot_drafts = hf.get("sample_from_anchor", kind == "dspark")
+    if kind == "dflash" and every_slot_drafts:
+        raise SpecDecodeError(f"{folder}: sample_from_anchor (every slot drafting) is not read for a DFlash drafter, "
+                              "as vLLM does not read it either; a drafter trained that way drafts in DeepSpec's "
+                              "convention")
+    if kind == "dspark" and not every_slot_drafts:
+        raise SpecDecodeError(f"{folder}: a DSpark drafter trained with sample_from_anchor false (slot 0 drafting "
+                              "nothing) is not read here; DSpark drafts with every slot")
+    block = {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": hf.get("mask_token_id"),
+             "block_size": hf.get("block_size", 8)}
     if hf.get("sliding_window_non_causal"):
-        dflash["causal"] = False  # else the z-lab rule is speculators' too: sliding layers causal, full ones not
-    return {**layer, "dflash_config": dflash}
+        block["causal"] = False  # else the z-lab rule is speculators' too: sliding layers causal, full ones not
+    if kind == "dspark":
+        block |= {name: hf.get(name, default) for name, default in SPECULATORS_DSPARK_DEFAULTS.items()}
+    return {**layer, "dflash_config": block}
 
 
 def draft_vocabulary(weights: FolderWeights, target_vocab: int, hidden: int, folder: Path

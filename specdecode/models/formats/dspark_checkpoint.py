@@ -7,7 +7,9 @@ config.json: the target's config plus `target_layer_ids` (top level, "output of 
 form vLLM converts to is read too (it wins, as DFlash's rule). Tensors: the DFlash body (dflash_checkpoint.py)
 plus `markov_head.{markov_w1, markov_w2, gate_proj, joint_proj}` and `confidence_head.proj`. DeepSpec also
 stores frozen copies of the target's `embed_tokens` and `lm_head`: the target's own are used (as vLLM does when
-they are absent), so our save leaves them out. A reduced draft vocabulary (`d2t`) is not read.
+they are absent), so our save leaves them out. A reduced draft vocabulary (`d2t` with `lm_head`'s rows of it, and
+`markov_w2` over it) is read as vLLM reads it. vLLM's speculators layout is translated on the way in
+(dflash_speculators.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.dspark_model import MARKOV_KINDS, DSparkHeads, DSparkModel
 from specdecode.models.formats.dflash_checkpoint import SHARED_COPIES, dflash_config, fill, published_tensors, \
     slot_convention
+from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, output_head, \
+    zlab_form
 from specdecode.models.formats.drafter_folder import read_drafter_config, write_drafter_folder
+from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
 
@@ -29,17 +34,26 @@ def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tu
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
     hf = read_drafter_config(folder, "a DSpark drafter")
+    layout = "speculators" if is_speculators(hf) else "DeepSpec"
+    if layout == "speculators":
+        hf = zlab_form(hf, folder)
     if slot_convention(hf) != "dspark":
         raise SpecDecodeError(f"{folder} holds a DFlash drafter in z-lab's layout (slot 0 drafts nothing): use "
                               "--spec-type dflash")
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
-    model = DSparkModel(config, heads, target.embed, target.lm_head)
-    fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter", SHARED_COPIES)
+    vocabulary = draft_vocabulary(FolderWeights(sorted(folder.glob("*.safetensors"))), target.config.vocab_size,
+                                  config.layer.hidden_size, folder)
+    model = DSparkModel(config, heads, target.embed, target.lm_head,
+                        draft_vocab=len(vocabulary[0]) if vocabulary is not None else None)
+    fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter", SHARED_COPIES | VOCAB_MAPS)
+    if vocabulary is not None:
+        model.use_draft_vocabulary(vocabulary[0], output_head(vocabulary[1]))
     markov = f"{heads.markov_kind} Markov head of rank {heads.markov_rank}" if heads.markov_rank else "no Markov head"
     confidence = "a confidence head" if heads.confidence else "no confidence head"
-    return model, (f"DSpark drafter {folder.name} ({config.layer.num_layers} layers, block {config.block_size}, "
-                   f"{markov}, {confidence})")
+    vocab = f", a {len(vocabulary[0])}-token draft vocabulary" if vocabulary is not None else ""
+    return model, (f"DSpark drafter {folder.name} ({layout} layout, {config.layer.num_layers} layers, block "
+                   f"{config.block_size}, {markov}, {confidence}{vocab})")
 
 
 def dspark_heads(hf: dict, folder: Path) -> DSparkHeads:
