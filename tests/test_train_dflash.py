@@ -4,6 +4,7 @@ learns, and what it writes loading as a drafter that stays lossless."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.loader import load_model
-from specdecode.training.dflash_train import block_objective, choose_anchors, new_dflash, train_dflash
+from specdecode.training.dflash_train import block_objective, chained_hits, choose_anchors, new_dflash, \
+    train_dflash
 from specdecode.training.eagle3_train import default_layer_ids, feature_columns
 from specdecode.training.features import Shard, check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
@@ -89,3 +91,14 @@ def test_the_train_dflash_command(tmp_path, capsys):
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert main([*args[:-1], "--block-size", "1"]) == 2
     assert "--block-size must be 2..33" in capsys.readouterr().err
+
+
+def test_held_out_rates_are_each_slots_acceptance_given_the_slots_before_it_right():
+    """As the loop reads them (expected_accepted multiplies the rates) and as EAGLE-3's and MTP's are."""
+    top_ids = torch.tensor([[5], [6], [7], [8]])  # [T, K]: the target's token at each position
+    label_at = torch.tensor([[0, 1, 2], [0, 1, 2], [1, 2, 3]])  # [A, S]: the position each slot drafts
+    drafts = torch.tensor([[5, 6, 0], [5, 0, 7], [0, 7, 8]])  # right: TTF, TFT, FTT
+    accepted, reached = chained_hits(drafts, SimpleNamespace(top_ids=top_ids), label_at,
+                                     torch.ones(3, 3, dtype=torch.bool))
+    assert accepted == [2, 1, 0]  # a slot right after a miss is never accepted
+    assert reached == [3, 2, 1]  # slot 2 is reached only where slots 0 and 1 were right

@@ -150,11 +150,13 @@ def soft_cross_entropy(log_q: torch.Tensor, shard: Shard, label_at: torch.Tensor
 
 def chained_hits(drafts: torch.Tensor, shard: Shard, label_at: torch.Tensor, valid: torch.Tensor
                  ) -> tuple[list[int], list[int]]:
-    """drafts [A, S] the drafter's greedy tokens -> per slot, (accepted, reached) counts: a slot counts once every
-    slot before it named the target's own token, as verification would."""
+    """drafts [A, S] the drafter's greedy tokens -> per slot, (accepted, reached) counts: a slot is reached when every
+    slot before it named the target's own token, as verification would reach it, so accepted / reached is the
+    slot's acceptance given the drafts before it were right (what the loop's evaluate reports for every kind)."""
     hits = (drafts == shard.top_ids[label_at][..., 0]) & valid  # [A, S]
-    chained = hits.int().cumprod(dim=1).bool()
-    reached = valid.int().cumprod(dim=1).bool()
+    chained = hits.int().cumprod(dim=1).bool()  # [A, S]: this slot and every one before it right
+    before = torch.cat([torch.ones_like(chained[:, :1]), chained[:, :-1]], dim=1)  # [A, S]: every one before right
+    reached = valid.int().cumprod(dim=1).bool() & before  # [A, S]
     return chained.sum(0).tolist(), reached.sum(0).tolist()
 
 
