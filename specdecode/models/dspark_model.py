@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
-from specdecode.sampling import spread_to_vocab
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 
@@ -46,7 +45,7 @@ class MarkovHead(nn.Module):
         (speculators' reduced vocabularies; W1 is indexed by target ids either way)."""
         super().__init__()
         rank = heads.markov_rank
-        self.kind, self.rank, self.vocab = heads.markov_kind, rank, vocab
+        self.kind, self.rank = heads.markov_kind, rank
         self.markov_w1 = nn.Embedding(vocab, rank)
         self.markov_w2 = nn.Linear(rank, outputs or vocab, bias=False)
         self.draft_to_target: torch.Tensor | None = None  # [Vd] long: the target id of each W2 row, when reduced
@@ -73,13 +72,13 @@ class MarkovHead(nn.Module):
             latents.append(torch.tanh(output))
         return torch.stack(latents, dim=1), state
 
-    def bias(self, latents: torch.Tensor) -> torch.Tensor:
-        """latents [..., r] -> [..., V] float32, added to the slots' logits (-inf outside a reduced draft
-        vocabulary, where the head's logits are -inf too)."""
+    def corrected(self, base: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """base [..., V] the slots' logits, latents [..., r] -> [..., V] float32 with W2's correction added (only
+        to a reduced draft vocabulary's tokens: the others stay at the head's -inf)."""
         bias = self.markov_w2(latents).float()  # [..., V or Vd]
         if self.draft_to_target is None:
-            return bias
-        return spread_to_vocab(bias, self.draft_to_target, self.vocab)
+            return base + bias
+        return base.index_add(-1, self.draft_to_target, bias)
 
 
 class ConfidenceHead(nn.Module):
@@ -122,7 +121,7 @@ class DSparkModel(DFlashModel):
             return base, state
         embedded = self.markov_head.markov_w1(previous).to(hidden.dtype)  # [N, r]
         latents, state = self.markov_head.latents(embedded[:, None], hidden[:, None], state)  # [N, 1, r]
-        return base + self.markov_head.bias(latents[:, 0]), state
+        return self.markov_head.corrected(base, latents[:, 0]), state
 
     def forced_logits(self, base: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,7 +137,7 @@ class DSparkModel(DFlashModel):
         if self.confidence_head is not None:
             features = torch.cat([hidden, embedded], dim=-1) if self.heads.confidence_with_markov else hidden
             confidence = self.confidence_head(features)  # [A, B]
-        return base + self.markov_head.bias(latents), confidence
+        return self.markov_head.corrected(base, latents), confidence
 
     def confidence_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H], previous [N] -> [N] float32 logits of acceptance, or None without a confidence head."""

@@ -18,8 +18,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.dflash_model import DFlashConfig, DFlashModel
-from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, output_head, \
-    zlab_form
+from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, native_form
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
@@ -42,17 +41,16 @@ def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tu
     hf = read_drafter_config(folder, "a DFlash drafter")
     layout = "speculators" if is_speculators(hf) else "z-lab"
     if layout == "speculators":
-        hf = zlab_form(hf, folder)
+        hf = native_form(hf, folder)
     if slot_convention(hf) != "dflash":
         raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's slot convention, whose every slot drafts "
                               "(DSpark, or DeepSpec's DFlash baseline): use --spec-type dspark")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     fill(model, folder, target, max_positions)
-    vocabulary = draft_vocabulary(FolderWeights(sorted(folder.glob("*.safetensors"))), target.config.vocab_size,
-                                  config.layer.hidden_size, folder)
+    vocabulary = draft_vocabulary(folder, target.config.vocab_size, config.layer.hidden_size)
     if vocabulary is not None:
-        model.use_draft_vocabulary(vocabulary[0], output_head(vocabulary[1]))
+        model.use_draft_vocabulary(*vocabulary)
     ids = ", ".join(map(str, config.target_layer_ids))
     vocab = f", a {len(vocabulary[0])}-token draft vocabulary" if vocabulary is not None else ""
     return model, (f"DFlash drafter {folder.name} ({layout} layout, {config.layer.num_layers} layers, block "

@@ -38,7 +38,7 @@ SPECULATORS_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla"
                                "confidence_head_with_markov": True}  # speculators' DSparkSpeculatorConfig
 
 
-def zlab_form(hf: dict, folder: Path) -> dict:
+def native_form(hf: dict, folder: Path) -> dict:
     """A speculators DFlash or DSpark config.json -> the form dflash_checkpoint.dflash_config (and, for DSpark,
     dspark_checkpoint.dspark_heads) reads: the layer config with the block keys nested in `dflash_config`."""
     kind = hf.get("speculators_model_type")
@@ -69,10 +69,10 @@ def zlab_form(hf: dict, folder: Path) -> dict:
     return {**layer, "dflash_config": block}
 
 
-def draft_vocabulary(weights: FolderWeights, target_vocab: int, hidden: int, folder: Path
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the target ids of the draft vocabulary [Vd] long, the output rows for them [Vd, H]) when the folder
-    drafts over fewer tokens than the target has (a `d2t` table), else None (the target's own head is used)."""
+def draft_vocabulary(folder: Path, target_vocab: int, hidden: int) -> tuple[torch.Tensor, nn.Linear] | None:
+    """(the target ids of the draft vocabulary [Vd] long, an output layer of their rows [Vd, H]) when the folder's
+    drafter drafts over fewer tokens than the target has (a `d2t` table), else None (the target's head is used)."""
+    weights = FolderWeights(sorted(folder.glob("*.safetensors")))
     if "d2t" not in weights.names():
         return None
     offsets = weights.get("d2t").long()  # [Vd]
@@ -84,11 +84,6 @@ def draft_vocabulary(weights: FolderWeights, target_vocab: int, hidden: int, fol
     if ids.min() < 0 or ids.max() >= target_vocab or len(ids.unique()) != len(ids):
         raise SpecDecodeError(f"{folder}: d2t maps draft tokens outside the target's {target_vocab} or onto one "
                               "token twice: it was made for another target")
-    return ids, rows
-
-
-def output_head(rows: torch.Tensor) -> nn.Linear:
-    """The draft vocabulary's output rows [Vd, H] as a layer of the drafter's own."""
-    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    layer.weight = nn.Parameter(rows.float(), requires_grad=False)
-    return layer
+    head = nn.Linear(hidden, len(ids), bias=False)
+    head.weight = nn.Parameter(rows.float(), requires_grad=False)
+    return ids, head

@@ -20,10 +20,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.dspark_model import MARKOV_KINDS, DSparkHeads, DSparkModel
 from specdecode.models.formats.dflash_checkpoint import SHARED_COPIES, dflash_config, fill, published_tensors, \
     slot_convention
-from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, output_head, \
-    zlab_form
+from specdecode.models.formats.dflash_speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, native_form
 from specdecode.models.formats.drafter_folder import read_drafter_config, write_drafter_folder
-from specdecode.models.formats.weight_source import FolderWeights
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.transformer import Transformer
 
@@ -36,19 +34,18 @@ def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tu
     hf = read_drafter_config(folder, "a DSpark drafter")
     layout = "speculators" if is_speculators(hf) else "DeepSpec"
     if layout == "speculators":
-        hf = zlab_form(hf, folder)
+        hf = native_form(hf, folder)
     if slot_convention(hf) != "dspark":
         raise SpecDecodeError(f"{folder} holds a DFlash drafter in z-lab's layout (slot 0 drafts nothing): use "
                               "--spec-type dflash")
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
-    vocabulary = draft_vocabulary(FolderWeights(sorted(folder.glob("*.safetensors"))), target.config.vocab_size,
-                                  config.layer.hidden_size, folder)
+    vocabulary = draft_vocabulary(folder, target.config.vocab_size, config.layer.hidden_size)
     model = DSparkModel(config, heads, target.embed, target.lm_head,
                         draft_vocab=len(vocabulary[0]) if vocabulary is not None else None)
     fill(model, folder, target, max_positions, HEAD_PREFIXES, "DSpark drafter", SHARED_COPIES | VOCAB_MAPS)
     if vocabulary is not None:
-        model.use_draft_vocabulary(vocabulary[0], output_head(vocabulary[1]))
+        model.use_draft_vocabulary(*vocabulary)
     markov = f"{heads.markov_kind} Markov head of rank {heads.markov_rank}" if heads.markov_rank else "no Markov head"
     confidence = "a confidence head" if heads.confidence else "no confidence head"
     vocab = f", a {len(vocabulary[0])}-token draft vocabulary" if vocabulary is not None else ""
