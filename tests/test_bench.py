@@ -12,6 +12,7 @@ from specdecode.bench.metrics import (ceiling_speedup, first_divergence, identic
                                       speedup)
 from specdecode.bench.runner import QuestionResult
 from specdecode.cli import main
+from specdecode.config import SpecConfig
 from specdecode.errors import SpecDecodeError
 
 
@@ -248,3 +249,15 @@ def test_report_lists_each_divergence_with_its_top2_gap():
     assert "| draft | q7 | 12 | 0.125 | yes |" in lines
     assert "| hf:assisted | q3 | 40 | - | - |" in lines
     assert divergence_lines({"none": {"divergences": {}}}) == []
+
+
+def test_methods_fix_or_adapt_the_draft_length_each():
+    from specdecode.bench.suite import parse_methods
+
+    specs = {s.name: s.spec for s in parse_methods("ngram,ngram:k=2;adaptive=off", SpecConfig("none"))}
+    assert specs["ngram"].adaptive and not specs["ngram:k=2;adaptive=off"].adaptive
+    assert specs["ngram:k=2;adaptive=off"].num_draft_tokens == 2
+    fixed = SpecConfig("none", adaptive=False)
+    assert parse_methods("ngram:adaptive=on", fixed)[1].spec.adaptive
+    with pytest.raises(SpecDecodeError, match="adaptive=on\\|off"):
+        parse_methods("ngram:adaptive=maybe", fixed)

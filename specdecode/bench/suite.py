@@ -28,14 +28,15 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
 
 def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) -> list[MethodSpec]:
     """'none,draft,ngram+draft:k=5;ngram_max=3' -> our method specs; '+' chains methods, ':k=N' sets the draft
-    length, ':guard=on|off' the speed guard, ':combine=first|best' a chain's rule and ':NAME=VALUE' any drafter
-    option (on top of `base`, the command line's settings). 'auto' runs `auto_chain` with combine=best."""
+    length, ':adaptive=on|off' whether it adapts, ':guard=on|off' the speed guard, ':combine=first|best' a
+    chain's rule and ':NAME=VALUE' any drafter option (on top of `base`, the command line's settings). 'auto'
+    runs `auto_chain` with combine=best."""
     specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
     known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
         k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
-        relaxed = base.relaxed
+        relaxed, adaptive = base.relaxed, base.adaptive
         if name == "auto":
             if auto_chain is None:
                 raise SpecDecodeError("'auto' in --methods needs the chain auto chose")
@@ -46,6 +47,8 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
                 k = int(value)
             elif key == "guard" and value in ("on", "off"):
                 guard = value == "on"
+            elif key == "adaptive" and value in ("on", "off"):
+                adaptive = value == "on"
             elif key == "combine" and value in COMBINE_RULES:
                 combine = value
             elif key == "relaxed" and value:
@@ -53,11 +56,11 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
             elif key in known and value:
                 options[key] = _option_value(key, value, type(known[key][1].default))
             else:
-                raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, guard=on|off, "
-                                      f"combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off or a drafter "
+                raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, adaptive=on|off, "
+                                      f"guard=on|off, combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off or a drafter "
                                       "option "
                                       f"({', '.join(sorted(known))}) as NAME=VALUE")
-        spec = SpecConfig(name.replace("+", ","), k, base.adaptive, options, guard=guard, combine=combine,
+        spec = SpecConfig(name.replace("+", ","), k, adaptive, options, guard=guard, combine=combine,
                           relaxed=relaxed)
         check_options(spec)
         if label in (s.name for s in specs[1:]):
