@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from batched_runs import run_batched
 from conftest import save_tiny_model
 from gguf_files import write_gguf
 from mtp_reference import add_mtp_layers, reference_logits
@@ -152,11 +153,13 @@ def test_a_reduced_draft_vocabulary_keeps_the_output(two_module_engine):
     spec = SpecConfig("mtp", options={"mtp_draft_vocab": 120}, guard=False)
     drafter = two_module_engine.drafter(spec)
     end_of_turn = two_module_engine.target.tokenizer.eos_token_ids
-    assert drafter.weights_bytes() == (120 + len(end_of_turn)) * 64 * 4  # the head's rows: 120 ids, end of turn
+    assert sorted(end_of_turn) == [256, 257]
+    # The head's rows: the 120 lowest ids, 6 more to fill the kernel's last 16-row tile with the 2 end of turn
+    assert drafter.weights_bytes() == 128 * 64 * 4
     seq = two_module_engine.start(two_module_engine.encode("hello hello"), sampling, spec)
     try:
         proposal = drafter.propose(seq, 3)
-        assert all(t < 120 or t in end_of_turn for t in proposal.tokens.tolist())
+        assert all(t < 126 or t in end_of_turn for t in proposal.tokens.tolist())
     finally:
         two_module_engine.finish(seq)
     assert two_module_engine.complete("hello hello", sampling, spec).token_ids == plain
@@ -173,3 +176,73 @@ def test_auto_and_advise_use_the_layers_a_target_ships(base, tmp_path, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "auto: suffix,mtp with per-step choice" in err and "identical output: True" in err
+
+
+@pytest.fixture(scope="module")
+def w4a8_mtp_engine(base, tmp_path_factory):
+    if w4a8_unavailable() is not None:
+        pytest.skip(f"w4a8 cannot run on this machine: {w4a8_unavailable()}")
+    folder, _ = with_mtp(base, tmp_path_factory.mktemp("w4a8"), "deepseek", modules=2, follow=1.0)
+    return Engine(load_model(folder, dtype="bfloat16", quant="w4a8"), draft_quant="w4a8")
+
+
+@pytest.mark.parametrize("options", [{}, {"mtp_draft_vocab": 120}])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mtp_drafts_for_a_whole_batch_in_shared_forwards(w4a8_mtp_engine, monkeypatch, options, temperature):
+    """In w4a8 the modules run batch-invariantly (fixed-order attention), so catch-up and each drafted position
+    run once for every sequence drafting, and each chain is what it drafts alone: outputs stay equal, seeded
+    sampling included (the budget held open and the guard off, so every sequence drafts as it would alone)."""
+    engine = w4a8_mtp_engine
+    monkeypatch.setattr(engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    spec = SpecConfig("mtp", num_draft_tokens=3, guard=False, options=options)
+    assert engine.drafter(spec).batch_invariant
+    prompts = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
+    requests = [(p, SamplingParams(max_tokens=20, temperature=temperature, seed=i, ignore_eos=True), spec)
+                for i, p in enumerate(prompts)]
+    alone = [engine.complete(*request).token_ids for request in requests]
+    batches = []
+    mtp_forward = engine.target.model.mtp_forward
+
+    def recording(index, tokens, *args, **kwargs):
+        batches.append(tokens.shape)
+        return mtp_forward(index, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine.target.model, "mtp_forward", recording)
+    batched, _ = run_batched(engine, requests, join_every=1)
+    assert batched == alone
+    assert any(shape[0] > 1 and shape[1] == 1 for shape in batches), "no drafted position ran as a batch"
+    assert any(shape[0] > 1 and shape[1] > 1 for shape in batches), "no catch-up ran as a batch"
+
+
+def test_batch_invariant_modules_give_a_row_the_same_bits_beside_any_other(w4a8_mtp_engine):
+    """Rows read together with a sequence of another length (its cache and its new rows, padded as a batched
+    catch-up pads them) get bitwise the logits and fed-back states they get alone."""
+    from specdecode.models.kv_cache import CacheBatch
+
+    model = w4a8_mtp_engine.target.model
+    modules = w4a8_mtp_engine.drafter(SpecConfig("mtp")).running
+    generator = torch.Generator().manual_seed(0)
+    cached, new = (7, 40), (3, 8)  # rows each sequence's cache holds, rows each reads now
+
+    def inputs(b: int, rows: int, start: int):
+        tokens = torch.randint(0, 200, (1, rows), generator=generator)  # [1, R]
+        hidden = torch.randn(1, rows, 64, generator=generator).to(model.dtype)  # [1, R, H]
+        return tokens, hidden, torch.arange(start, start + rows)[None]
+
+    first = [inputs(b, n, 0) for b, n in enumerate(cached)]
+    second = [inputs(b, n, c) for b, (n, c) in enumerate(zip(new, cached))]
+
+    def primed(b: int):
+        cache = model.new_mtp_cache(64)
+        model.mtp_forward(0, *first[b], cache, modules=modules)
+        return cache
+
+    with torch.inference_mode():
+        alone = [model.mtp_forward(0, *second[b], primed(b), modules=modules) for b in range(2)]
+        padded = [torch.cat([part, part[:, -1:].expand(-1, 8 - new[0], *part.shape[2:])], dim=1)
+                  for part in second[0]]  # sequence 0's 3 rows padded to 8 with copies of its last
+        tokens, hidden, positions = (torch.cat([padded[i], second[1][i]]) for i in range(3))
+        logits, fed_back = model.mtp_forward(0, tokens, hidden, positions, CacheBatch([primed(0), primed(1)]),
+                                             modules=modules)
+    for b, n in enumerate(new):
+        assert torch.equal(logits[b, :n], alone[b][0][0]) and torch.equal(fed_back[b, :n], alone[b][1][0])

@@ -11,6 +11,10 @@ their rows of the current draft. Rows of a draft are dropped at commit.
 `mtp_draft_vocab N` drafts over the N lowest token ids (a byte-level BPE vocabulary numbers its merges in the
 order learnt, most frequent first) plus the end-of-turn tokens: the output head, most of a one-layer module's
 cost on a CPU, shrinks to those rows. Verification still uses the full head, so the output cannot change.
+
+In a batched step (the server's), the requests drafting with the same modules share each forward, catch-up and
+drafted positions alike, where the modules are batch-invariant: every matmul w4a8, attention in the fixed-order
+kernel (models/batch_invariance.py). Each request then drafts bit for bit what it drafts alone.
 """
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.batched import forward_groups
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.hidden_chain import draft_chain
+from specdecode.drafters.hidden_chain import draft_chains
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.batch_invariance import batch_invariant_mtp
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.loader import module_bytes
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
+ROW_TILE = 16  # outputs per tile of the w4a8 kernel: a reduced head of whole tiles runs in it (else in int8)
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,15 @@ class MTPDrafter(Drafter):
         self.target = target
         self.options = options
         self.companion = companion  # modules from a companion file (mtp_companion.py); None: the target's own
-        self.modules = len(target.mtp if companion is None else companion)
+        shipped = target.mtp if companion is None else companion
+        self.modules = len(shipped)
         self.draft_head = draft_head  # None: the target's own head, over the whole vocabulary
         self.draft_to_target = draft_to_target  # [Vd] long: the target id of each draft-head row
+        # The modules as they run: with fixed-order attention where that makes them batch-invariant (w4a8), so a
+        # batch of requests drafts in shared forwards exactly what each drafts alone; else as shipped.
+        fixed = batch_invariant_mtp(shipped, target.lm_head if draft_head is None else draft_head, target.dtype)
+        self.batch_invariant = fixed is not None
+        self.running = shipped if fixed is None else fixed
 
     @classmethod
     def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
@@ -100,23 +113,42 @@ class MTPDrafter(Drafter):
         caches = [self.target.new_mtp_cache(room) for _ in range(self.modules)]
         state = MTPState(caches, 0, prefill.final_hidden)
         seq.drafter_state[self.name] = state
-        self._read_pending(seq, state)  # the prompt now, in the prefill phase
+        self._read_pending([seq], [state])  # the prompt now, in the prefill phase
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
-        state = seq.drafter_state[self.name]
-        self._read_pending(seq, state)
+        return self.propose_many([seq], [budget])[0]
+
+    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Chains for several requests in shared forwards (one catch-up, then one per drafted position) where
+        the modules are batch-invariant, so each chain is what that request drafts alone; else one by one."""
+        if len(seqs) > 1 and not self.batch_invariant:
+            return super().propose_many(seqs, budgets)
+        proposals = [DraftProposal.empty(self.name) for _ in seqs]
+        asked = [b for b, budget in enumerate(budgets) if budget > 0]
+        if not asked:  # a chain whose earlier member drafted for every sequence
+            return proposals
+        seqs, budgets = [seqs[b] for b in asked], [budgets[b] for b in asked]
+        states = [seq.drafter_state[self.name] for seq in seqs]
+        self._read_pending(seqs, states)
         device = self.target.device
 
-        def step(index: int, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def step(index: int, going: list[int], tokens: torch.Tensor, hidden: torch.Tensor):
             module = min(index, self.modules - 1)
-            if module < index:
-                seq.stats.note("mtp_module_reused")
-            position = torch.tensor([[len(seq.tokens) - 2 + index]], device=device)  # [1, 1]: one on per step
-            logits, fed_back = self._module(module, torch.tensor([[token]], device=device), hidden.view(1, 1, -1),
-                                            position, state.caches[module])
-            return self._target_logits(logits[0, -1]), fed_back[0, -1]
+            for b in going:
+                if module < index:
+                    seqs[b].stats.note("mtp_module_reused")
+            # [F, 1] each: one position on per step
+            positions = torch.tensor([[len(seqs[b].tokens) - 2 + index] for b in going], device=device)
+            caches = [states[b].caches[module] for b in going]
+            logits, fed_back = self._module(module, tokens.view(-1, 1).to(device), hidden.unsqueeze(1), positions,
+                                            caches[0] if len(caches) == 1 else CacheBatch(caches))
+            return self._target_logits(logits[:, -1]), fed_back[:, -1]  # [F, V], [F, H]
 
-        return draft_chain(seq, budget, self._target_logits(state.logits), state.hidden, step, self.name)
+        chains = draft_chains(seqs, budgets, [self._target_logits(state.logits) for state in states],
+                              [state.hidden for state in states], step, self.name)
+        for b, chain in zip(asked, chains):
+            proposals[b] = chain
+        return proposals
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]
@@ -133,26 +165,46 @@ class MTPDrafter(Drafter):
         """A reduced draft head's rows and a companion file's modules (the target's own count with it)."""
         return sum(module_bytes(part) for part in (self.draft_head, self.companion) if part is not None)
 
-    def _read_pending(self, seq: Sequence, state: MTPState) -> None:
-        """Feed module 0 every committed position it has not read, in one forward."""
-        rows = state.pending.shape[0]
-        if rows == 0:
+    def _read_pending(self, seqs: list[Sequence], states: list[MTPState]) -> None:
+        """Feed module 0 every committed position it has not read: one forward per group of sequences whose
+        caches have room for the longest (batched.forward_groups), each one's rows padded to that length. The
+        padding comes after every real row, so no real row sees it, and its cache slots are dropped after."""
+        pending = [state.pending.shape[0] for state in states]
+        reading = [b for b, rows in enumerate(pending) if rows > 0]
+        if not reading:
             return
-        device = self.target.device
-        tokens = torch.tensor([seq.tokens[state.fed + 1 : state.fed + 1 + rows]], device=device)  # [1, R]
-        positions = torch.arange(state.fed, state.fed + rows, device=device).unsqueeze(0)  # [1, R]
-        logits, hidden = self._module(0, tokens, state.pending.unsqueeze(0), positions, state.caches[0])
-        state.fed += rows
-        state.pending = state.pending[:0]
-        state.logits, state.hidden = logits[0, -1], hidden[0, -1]  # [Vd], [H]
+        device, width = self.target.device, states[0].pending.shape[1]
+        caches = [states[b].caches[0] for b in reading]
+        starts, rows = [states[b].fed for b in reading], [pending[b] for b in reading]
+        for group in forward_groups(starts, rows, [cache.capacity for cache in caches]):
+            longest = max(rows[g] for g in group)
+            tokens = torch.zeros(len(group), longest, dtype=torch.long)  # [G, P]
+            positions = torch.empty(len(group), longest, dtype=torch.long)  # [G, P]
+            hidden = torch.zeros(len(group), longest, width, dtype=states[0].pending.dtype)  # [G, P, H]
+            for row, g in enumerate(group):
+                b, fed, own = reading[g], starts[g], rows[g]
+                tokens[row, :own] = torch.tensor(seqs[b].tokens[fed + 1 : fed + 1 + own])
+                positions[row] = torch.arange(fed, fed + longest).clamp(max=fed + own - 1)
+                hidden[row, :own] = states[b].pending
+            last = torch.tensor([[rows[g] - 1] for g in group], device=device)  # [G, 1] each one's last real row
+            joined = caches[group[0]] if len(group) == 1 else CacheBatch([caches[g] for g in group])
+            logits, fed_back = self._module(0, tokens.to(device), hidden.to(device), positions.to(device), joined,
+                                            logits_at=last)  # [G, 1, Vd], [G, P, H]
+            for row, g in enumerate(group):
+                state, own = states[reading[g]], rows[g]
+                state.fed += own
+                caches[g].truncate(state.fed)
+                state.pending = state.pending[:0]
+                state.logits, state.hidden = logits[row, 0], fed_back[row, own - 1]  # [Vd], [H]
 
     def _module(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Module `index` over tokens [1, T] and hidden [1, T, H] at positions [1, T]; logits only at the last row,
-        through the draft head. -> (logits [1, 1, Vd], fed-back hidden [1, T, H])."""
+                cache: KVCache | CacheBatch, logits_at: torch.Tensor | slice = slice(-1, None)
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module `index` over tokens [B, T] and hidden [B, T, H] at positions [B, T]; logits at `logits_at` (the
+        last row unless told), through the draft head. -> (logits [B, 1, Vd], fed-back hidden [B, T, H])."""
         with torch.inference_mode():
-            return self.target.mtp_forward(index, tokens, hidden, positions, cache, logits_at=slice(-1, None),
-                                           head=self.draft_head, modules=self.companion)
+            return self.target.mtp_forward(index, tokens, hidden, positions, cache, logits_at=logits_at,
+                                           head=self.draft_head, modules=self.running)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-head logits [Vd] -> [V] (sampling.spread_to_vocab)."""
@@ -189,10 +241,17 @@ def _companion(resources: DrafterResources) -> nn.ModuleList | None:
 
 
 def frequent_ids(size: int, vocab: int, end_of_turn: frozenset[int]) -> torch.Tensor:
-    """The `size` lowest ids (a byte-level BPE vocabulary numbers its merges most frequent first) and the
-    end-of-turn tokens, ascending -> [Vd] long: what `mtp_draft_vocab` drafts over and `train mtp` trains on."""
-    ends = sorted(t for t in end_of_turn if t >= size)
-    return torch.cat([torch.arange(min(size, vocab)), torch.tensor(ends, dtype=torch.long)])
+    """The `size` lowest ids (a byte-level BPE vocabulary numbers its merges most frequent first), a few more of
+    them to make a multiple of ROW_TILE with the end-of-turn tokens, and those, ascending -> [Vd] long: what
+    `mtp_draft_vocab` drafts over and `train mtp` trains on."""
+    lowest = min(size, vocab)
+
+    def ends() -> list[int]:
+        return sorted(t for t in end_of_turn if lowest <= t < vocab)
+
+    while (lowest + len(ends())) % ROW_TILE and lowest < vocab:  # the w4a8 kernel takes whole tiles
+        lowest += 1
+    return torch.cat([torch.arange(lowest), torch.tensor(ends(), dtype=torch.long)])
 
 
 def reduced_head(model: Transformer, ids: torch.Tensor, quant: str) -> nn.Module:

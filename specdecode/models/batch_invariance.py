@@ -3,9 +3,13 @@ sequences share its forward (decoded alone, verified in a chain or a tree, batch
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from specdecode.models.float_decoder import FloatDecoderLayer
+from specdecode.models.mtp import MTPModule
 from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
-from specdecode.models.quant.w4a8_linear import W4A8Linear
+from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
 from specdecode.models.transformer import Transformer
 
 
@@ -17,3 +21,21 @@ def batch_invariant(model: Transformer) -> bool:
         return isinstance(model.lm_head, W4A8Linear)
     return (all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
             and getattr(model.lm_head, "rows_invariant_checked", False))
+
+
+def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: torch.dtype) -> nn.ModuleList | None:
+    """MTP modules that draft batch-invariantly through `head`: the same modules (weights shared) with each
+    block's attention in the fixed-order kernel, where every matmul in them and in the head is w4a8 (the other
+    operations work row by row) and the kernel reads their caches' dtype; else None. Their drafts then do not
+    depend on what shares their forwards."""
+    heads = list(head) if isinstance(head, nn.Sequential) else [head]  # a reduced head is a container of one
+    linears = heads + [linear for module in modules for linear in (
+        module.proj, module.block.attn.qkv, module.block.attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
+    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+        return None
+    if cache_dtype not in (torch.float32, torch.bfloat16) or modules[0].block.attn.head_dim % 16:
+        return None
+    if w4a8_unavailable() is not None:
+        return None
+    attend = load_kernel().attend
+    return nn.ModuleList(MTPModule.sharing(module, FloatDecoderLayer(module.block, attend)) for module in modules)

@@ -39,6 +39,16 @@ class MTPModule(nn.Module):
         self.out_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.hidden_first = config.mtp_layout == "mimo"
 
+    @classmethod
+    def sharing(cls, module: MTPModule, block: nn.Module) -> MTPModule:
+        """`module`'s weights with another block over the same submodules (batch_invariance.py's fixed-order
+        attention); the original is left as it was."""
+        twin = cls.__new__(cls)
+        nn.Module.__init__(twin)
+        twin.token_norm, twin.hidden_norm, twin.proj = module.token_norm, module.hidden_norm, module.proj
+        twin.block, twin.out_norm, twin.hidden_first = block, module.out_norm, module.hidden_first
+        return twin
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden [B, T, H]; cos, sin [B, 1, T, D/2]; mask [B, 1, T, S] or None

@@ -179,12 +179,12 @@ class Transformer(nn.Module):
         return KVCache(1, 1, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
     def mtp_forward(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    cache: KVCache, attn_mask: torch.Tensor | None = None, logits_at: slice | None = None,
-                    head: nn.Module | None = None, modules: nn.ModuleList | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache: KVCache | CacheBatch, attn_mask: torch.Tensor | None = None,
+                    logits_at: torch.Tensor | slice | None = None, head: nn.Module | None = None,
+                    modules: nn.ModuleList | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module `index` over tokens [B, T] (each the token after its hidden state's), hidden [B, T, H],
-        positions [B, T] (the hidden states' positions); attn_mask and logits_at as forward's; `head` replaces
-        lm_head (a reduced draft vocabulary); `modules` replace the model's own (a companion file's).
+        positions [B, T] (the hidden states' positions); cache, attn_mask and logits_at as forward's; `head`
+        replaces lm_head (a reduced draft vocabulary); `modules` replace the model's own (a companion file's).
         -> (logits [B, T', V or Vd] float32, the hidden a further step feeds back [B, T, H])."""
         new = tokens.shape[1]
         cache.check_room(new)
@@ -194,8 +194,7 @@ class Transformer(nn.Module):
         module = (self.mtp if modules is None else modules)[index]
         head_input, fed_back = module(self.embed(tokens), hidden.to(self.dtype), cos, sin, cache, mask)
         cache.advance(new)
-        if logits_at is not None:
-            head_input = head_input[:, logits_at]
+        head_input = pick_rows(head_input, logits_at)
         return (self.lm_head if head is None else head)(head_input).float(), fed_back
 
     def forward(
