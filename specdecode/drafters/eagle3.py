@@ -8,6 +8,9 @@ the head's own output hidden state at the next position; those rows are dropped 
 true features replace them.
 
 Chains by default; with `eagle3_tree_nodes` an EAGLE-2 dynamic tree (dynamic_tree.py), one head forward per depth.
+In a batched step (the server's), the chains of the requests drafting with this head share each forward, catch-up
+and drafted positions alike, where the head is batch-invariant (w4a8, its attention in the fixed-order kernel:
+models/batch_invariance.py); each request then drafts bit for bit what it drafts alone.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import torch
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
-from specdecode.drafters.hidden_chain import draft_chain
+from specdecode.drafters.hidden_chain import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.batch_invariance import fix_eagle3_attention
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.loader import module_bytes
 from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -73,6 +77,7 @@ class Eagle3Drafter(Drafter):
         self.maps_vocab = not torch.equal(head.draft_to_target.cpu(), torch.arange(target_vocab))
         self.caps = DrafterCaps(hidden_layers=head.config.layer_ids, emits_probs=True, emits_trees=True,
                                 draft_files=True)
+        self.batch_invariant = head.layer.fixed_attention is not None
 
     @classmethod
     def create(cls, resources: DrafterResources, options: Eagle3Options) -> Eagle3Drafter:
@@ -91,6 +96,7 @@ class Eagle3Drafter(Drafter):
             # Its share of each step is mostly these matrix products: on CPU, --draft-quant's kernels.
             quantized = quantize_linears(head, resources.draft_quant)
             log.info("%s%s", description, f"; {quantized} layers in {resources.draft_quant}" if quantized else "")
+            fix_eagle3_attention(head)  # batch-invariant where it can be: a batch's chains then share forwards
             resources.own_weights[key] = head
         return cls(resources.own_weights[key], target.config.vocab_size, options)
 
@@ -105,12 +111,28 @@ class Eagle3Drafter(Drafter):
         slack = seq.draft_length.maximum * (self.options.eagle3_tree_width if self.tree else 1)
         state = Eagle3State(self.head.new_cache(seq.capacity + slack), 0, self._features(prefill))
         seq.drafter_state[self.name] = state
-        self._read_pending(seq, state)  # the prompt now, in the prefill phase
+        self._read_pending([seq], [state])  # the prompt now, in the prefill phase
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
-        state = seq.drafter_state[self.name]
-        self._read_pending(seq, state)
-        return self._tree(seq, state, budget) if self.tree else self._chain(seq, state, budget)
+        if self.tree:
+            state = seq.drafter_state[self.name]
+            self._read_pending([seq], [state])
+            return self._tree(seq, state, budget)
+        return self.propose_many([seq], [budget])[0]
+
+    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Chains for several requests in shared forwards (one catch-up, then one per drafted position) where
+        the head is batch-invariant, so each chain is what that request drafts alone; else (or trees) one by one."""
+        if len(seqs) > 1 and (self.tree or not self.batch_invariant):
+            return super().propose_many(seqs, budgets)
+        proposals = [DraftProposal.empty(self.name) for _ in seqs]
+        asked = [b for b, budget in enumerate(budgets) if budget > 0]
+        if not asked:  # a chain whose earlier member drafted for every sequence
+            return proposals
+        chains = self._chains([seqs[b] for b in asked], [budgets[b] for b in asked])
+        for b, chain in zip(asked, chains):
+            proposals[b] = chain
+        return proposals
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]
@@ -130,30 +152,29 @@ class Eagle3Drafter(Drafter):
         with torch.inference_mode():
             return self.head.fuse([target.hidden[i] for i in self.head.config.layer_ids])
 
-    def _read_pending(self, seq: Sequence, state: Eagle3State) -> None:
-        """Feed every committed position the head has not read, in one forward."""
-        rows = state.pending.shape[0]
-        if rows == 0:
-            return
-        device = self.head.device
-        tokens = torch.tensor([seq.tokens[state.fed + 1 : state.fed + 1 + rows]], device=device)  # [1, R]
-        positions = torch.arange(state.fed, state.fed + rows, device=device).unsqueeze(0)  # [1, R]
-        with torch.inference_mode():
-            logits, hidden = self.head(tokens, state.pending.unsqueeze(0), positions, state.cache)
-        state.fed += rows
-        state.pending = state.pending[:0]
-        state.logits, state.hidden = logits[0, -1], hidden[0, -1]  # [Vd], [H]
+    def _read_pending(self, seqs: list[Sequence], states: list[Eagle3State]) -> None:
+        """Feed the head every committed position it has not read (hidden_chain.read_pending)."""
 
-    def _chain(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
+        def forward(tokens, hidden, positions, cache, last):
+            return self.head(tokens, hidden, positions, cache, logits_at=last)
+
+        read_pending(seqs, states, [state.cache for state in states], forward, self.head.device)
+
+    def _chains(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        states = [seq.drafter_state[self.name] for seq in seqs]
+        self._read_pending(seqs, states)
         device = self.head.device
 
-        def step(index: int, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            position = torch.tensor([[len(seq.tokens) - 2 + index]], device=device)  # [1, 1]: one on per step
-            out, fed_back = self.head(torch.tensor([[token]], device=device), hidden.view(1, 1, -1), position,
-                                      state.cache)
-            return self._target_logits(out[0, -1]), fed_back[0, -1]
+        def step(index: int, going: list[int], tokens: torch.Tensor, hidden: torch.Tensor):
+            # [F, 1] each: one position on per step
+            positions = torch.tensor([[len(seqs[b].tokens) - 2 + index] for b in going], device=device)
+            caches = [states[b].cache for b in going]
+            out, fed_back = self.head(tokens.view(-1, 1).to(device), hidden.unsqueeze(1), positions,
+                                      caches[0] if len(caches) == 1 else CacheBatch(caches))
+            return self._target_logits(out[:, -1]), fed_back[:, -1]  # [F, V], [F, H]
 
-        return draft_chain(seq, budget, self._target_logits(state.logits), state.hidden, step, self.name)
+        return draft_chains(seqs, budgets, [self._target_logits(state.logits) for state in states],
+                            [state.hidden for state in states], step, self.name)
 
     def _tree(self, seq: Sequence, state: Eagle3State, budget: int) -> DraftProposal:
         """Top-k children are deterministic drafts (no q): verification uses the one-hot rule, in sampling too."""

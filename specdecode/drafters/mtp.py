@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.batched import forward_groups
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.hidden_chain import draft_chains
+from specdecode.drafters.hidden_chain import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
@@ -166,36 +165,12 @@ class MTPDrafter(Drafter):
         return sum(module_bytes(part) for part in (self.draft_head, self.companion) if part is not None)
 
     def _read_pending(self, seqs: list[Sequence], states: list[MTPState]) -> None:
-        """Feed module 0 every committed position it has not read: one forward per group of sequences whose
-        caches have room for the longest (batched.forward_groups), each one's rows padded to that length. The
-        padding comes after every real row, so no real row sees it, and its cache slots are dropped after."""
-        pending = [state.pending.shape[0] for state in states]
-        reading = [b for b, rows in enumerate(pending) if rows > 0]
-        if not reading:
-            return
-        device, width = self.target.device, states[0].pending.shape[1]
-        caches = [states[b].caches[0] for b in reading]
-        starts, rows = [states[b].fed for b in reading], [pending[b] for b in reading]
-        for group in forward_groups(starts, rows, [cache.capacity for cache in caches]):
-            longest = max(rows[g] for g in group)
-            tokens = torch.zeros(len(group), longest, dtype=torch.long)  # [G, P]
-            positions = torch.empty(len(group), longest, dtype=torch.long)  # [G, P]
-            hidden = torch.zeros(len(group), longest, width, dtype=states[0].pending.dtype)  # [G, P, H]
-            for row, g in enumerate(group):
-                b, fed, own = reading[g], starts[g], rows[g]
-                tokens[row, :own] = torch.tensor(seqs[b].tokens[fed + 1 : fed + 1 + own])
-                positions[row] = torch.arange(fed, fed + longest).clamp(max=fed + own - 1)
-                hidden[row, :own] = states[b].pending
-            last = torch.tensor([[rows[g] - 1] for g in group], device=device)  # [G, 1] each one's last real row
-            joined = caches[group[0]] if len(group) == 1 else CacheBatch([caches[g] for g in group])
-            logits, fed_back = self._module(0, tokens.to(device), hidden.to(device), positions.to(device), joined,
-                                            logits_at=last)  # [G, 1, Vd], [G, P, H]
-            for row, g in enumerate(group):
-                state, own = states[reading[g]], rows[g]
-                state.fed += own
-                caches[g].truncate(state.fed)
-                state.pending = state.pending[:0]
-                state.logits, state.hidden = logits[row, 0], fed_back[row, own - 1]  # [Vd], [H]
+        """Feed module 0 every committed position it has not read (hidden_chain.read_pending)."""
+
+        def forward(tokens, hidden, positions, cache, last):
+            return self._module(0, tokens, hidden, positions, cache, logits_at=last)
+
+        read_pending(seqs, states, [state.caches[0] for state in states], forward, self.target.device)
 
     def _module(self, index: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | CacheBatch, logits_at: torch.Tensor | slice = slice(-1, None)

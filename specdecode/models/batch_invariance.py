@@ -3,14 +3,17 @@ sequences share its forward (decoded alone, verified in a chain or a tree, batch
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from specdecode.models.float_decoder import FloatDecoderLayer
+from specdecode.models.eagle3_head import Eagle3Head
+from specdecode.models.float_decoder import FloatDecoderLayer, fixed_order_attention
 from specdecode.models.mtp import MTPModule
 from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
-from specdecode.models.transformer import Transformer
+from specdecode.models.transformer import Attention, Transformer
 
 
 def batch_invariant(model: Transformer) -> bool:
@@ -33,9 +36,25 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
         module.proj, module.block.attn.qkv, module.block.attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
         return None
-    if cache_dtype not in (torch.float32, torch.bfloat16) or modules[0].block.attn.head_dim % 16:
-        return None
-    if w4a8_unavailable() is not None:
+    if not _kernel_reads(cache_dtype, modules[0].block.attn):
         return None
     attend = load_kernel().attend
     return nn.ModuleList(MTPModule.sharing(module, FloatDecoderLayer(module.block, attend)) for module in modules)
+
+
+def fix_eagle3_attention(head: Eagle3Head) -> bool:
+    """Run an EAGLE-3 head's attention in the fixed-order kernel where that makes its drafting batch-invariant:
+    every matmul of its layer and its output head w4a8, the kernel able to read its cache -> whether it now is.
+    (fc fuses each request's own target rows at commit, never batched, so its kind does not matter.)"""
+    layer = head.layer
+    output = head.lm_head if head.lm_head is not None else head._shared["head"]
+    linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down, output)
+    if not all(isinstance(linear, W4A8Linear) for linear in linears) or not _kernel_reads(head.dtype, layer.attn):
+        return False
+    layer.fixed_attention = partial(fixed_order_attention, layer.attn, load_kernel().attend)
+    return True
+
+
+def _kernel_reads(cache_dtype: torch.dtype, attn: Attention) -> bool:
+    """Whether the fixed-order attention kernel runs here over a cache of this dtype and attn's head size."""
+    return cache_dtype in (torch.float32, torch.bfloat16) and attn.head_dim % 16 == 0 and w4a8_unavailable() is None

@@ -16,15 +16,16 @@ Our module names (`layer.attn.qkv`, ...) differ from the published ones; formats
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.rope import RopeTable, inverse_frequencies
-from specdecode.models.transformer import MLP, Attention, RMSNorm, attention_mask
+from specdecode.models.transformer import MLP, Attention, RMSNorm, attention_mask, pick_rows
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class Eagle3Layer(nn.Module):
         self.mlp_norm = RMSNorm(hidden, layer.rms_norm_eps)
         self.mlp = MLP(layer)
         self.norm_before_residual = config.norm_before_residual
+        # The attention as Attention's forward takes it; batch_invariance.fix_eagle3_attention puts the fixed-order
+        # kernel's here where that makes the head batch-invariant. None: the PyTorch attention, self.attn.
+        self.fixed_attention: Callable[..., torch.Tensor] | None = None
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +75,8 @@ class Eagle3Layer(nn.Module):
         normed_hidden = self.hidden_norm(hidden)
         attn_in = torch.cat([self.input_norm(embeds), normed_hidden], dim=-1)  # [B, T, 2H], embedding first
         residual = normed_hidden if self.norm_before_residual else hidden
-        x = residual + self.attn(attn_in, cos, sin, cache, 0, mask)  # [B, T, H]
+        attention = self.attn if self.fixed_attention is None else self.fixed_attention
+        x = residual + attention(attn_in, cos, sin, cache, 0, mask)  # [B, T, H]
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -125,10 +130,12 @@ class Eagle3Head(nn.Module):
         table = self.embed if self.embed is not None else self._shared["embed"]
         return table(tokens).to(self.dtype)
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | CacheBatch, attn_mask: torch.Tensor | None = None,
+                logits_at: torch.Tensor | slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T], hidden [B, T, H] (fused features or a previous step's output), positions [B, T];
-        attn_mask as Transformer.forward's. -> (draft logits [B, T, Vd] float32, the hidden to feed back [B, T, H])."""
+        cache, attn_mask and logits_at as Transformer.forward's. -> (draft logits [B, T', Vd] float32, the
+        hidden to feed back [B, T, H])."""
         new = tokens.shape[1]
         cache.check_room(new)
         mask = attention_mask(positions, cache, attn_mask)
@@ -138,7 +145,7 @@ class Eagle3Head(nn.Module):
         cache.advance(new)
         normed = self.norm(out)  # [B, T, H]
         head = self.lm_head if self.lm_head is not None else self._shared["head"]
-        logits = head(normed).float()  # [B, T, Vd]
+        logits = head(pick_rows(normed, logits_at)).float()  # [B, T', Vd]
         if self.config.logit_scale != 1.0:
             logits = logits * self.config.logit_scale
         return logits, (normed if self.config.norm_output else out)

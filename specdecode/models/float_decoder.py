@@ -27,7 +27,7 @@ from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.packed_linear import PackedLinear, rows_invariant
 from specdecode.models.quant.w4a8_linear import load_kernel, w4a8_unavailable
 from specdecode.models.rope import apply_rope
-from specdecode.models.transformer import DecoderLayer, Transformer
+from specdecode.models.transformer import Attention, DecoderLayer, Transformer
 
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 
@@ -43,21 +43,27 @@ class FloatDecoderLayer(DecoderLayer):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch,
                 index: int, mask: torch.Tensor | None) -> torch.Tensor:
-        attn = self.attn
-        batch, new, _ = x.shape  # x [B, T, hidden] the residual stream
-        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q, k, v = attn.qkv(self.attn_norm(x)).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q = q.view(batch, new, heads, dim)  # [B, T, H, D]
-        k = k.view(batch, new, kv_heads, dim)  # [B, T, Hkv, D]
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, D/2]: rope over heads in dim 2
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        qkv = torch.cat([q.flatten(2), k.flatten(2), v], dim=-1).float()  # [B, T, (H + 2 Hkv) * D]
-        keys, values = cache.layer_views(index)  # one [Hkv, S, D] tensor each per sequence
-        attended = self.attend(qkv, keys, values, cache.lengths, mask, heads, kv_heads, dim)  # [B, T, H*D] f32
-        x = x + attn.o(attended.to(x.dtype))
+        x = x + fixed_order_attention(self.attn, self.attend, self.attn_norm(x), cos, sin, cache, index, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def fixed_order_attention(attn: Attention, attend, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cache: KVCache | CacheBatch, index: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """What `attn` computes (its projections, norms and rope; x [B, T, in] -> [B, T, hidden]), with the attention
+    itself in the compiled fixed-order kernel (`attend`), which reads each sequence's cache in place."""
+    batch, new, _ = x.shape
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = attn.qkv(x).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(batch, new, heads, dim)  # [B, T, H, D]
+    k = k.view(batch, new, kv_heads, dim)  # [B, T, Hkv, D]
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, D/2]: rope over heads in dim 2
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v], dim=-1).float()  # [B, T, (H + 2 Hkv) * D]
+    keys, values = cache.layer_views(index)  # one [Hkv, S, D] tensor each per sequence
+    attended = attend(qkv, keys, values, cache.lengths, mask, heads, kv_heads, dim)  # [B, T, H*D] float32
+    return attn.o(attended.to(x.dtype))
 
 
 def fix_float_layers(model: Transformer) -> str | None:
