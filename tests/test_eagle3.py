@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from batched_runs import run_batched
+from batched_runs import assert_padded_rows_keep_their_bits, drafts_in_shared_forwards
 from conftest import TINY_VOCAB, save_tiny_model
 from eagle3_reference import LAYOUTS, ReferenceHead, head_config, random_head, write_head
 
@@ -291,9 +291,9 @@ def test_speculators_variants(target8, tmp_path, variant):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_w4a8_head_drafts_for_a_whole_batch_in_shared_forwards(tmp_path, monkeypatch, temperature):
-    """A w4a8 head over a w4a8 target runs its attention in the fixed-order kernel: catch-up and each drafted
-    position run once for every sequence drafting, and each chain is what it drafts alone, so outputs stay
-    equal, seeded sampling included (the budget held open and the guard off: every sequence drafts as alone)."""
+    """A w4a8 head over a w4a8 target runs its attention in the fixed-order kernel: rows keep their bits beside
+    any other sequence, so catch-up and each drafted position run once for every sequence drafting, and each
+    chain is what it drafts alone."""
     if w4a8_unavailable():
         pytest.skip(f"the w4a8 kernel does not run here ({w4a8_unavailable()})")
     target = save_tiny_model(tmp_path / "target", "llama", scale=0.2, num_hidden_layers=8)
@@ -301,56 +301,11 @@ def test_a_w4a8_head_drafts_for_a_whole_batch_in_shared_forwards(tmp_path, monke
     folder = write_head(tmp_path / "head", weights, head_config(weights, TINY_VOCAB, "reference",
                                                                 LAYER_IDS["reference"]), "reference")
     engine = Engine(load_model(target, dtype="bfloat16", quant="w4a8"), draft_path=folder, draft_quant="w4a8")
-    assert_padded_rows_keep_their_bits(engine.drafter(SpecConfig("eagle3")).head)
-    monkeypatch.setattr(engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     spec = SpecConfig("eagle3", num_draft_tokens=3, guard=False)
-    head = engine.drafter(spec).head
-    assert engine.drafter(spec).batch_invariant
-    prompts = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
-    requests = [(p, SamplingParams(max_tokens=20, temperature=temperature, seed=i, ignore_eos=True), spec)
-                for i, p in enumerate(prompts)]
-    alone = [engine.complete(*request).token_ids for request in requests]
-    shapes = []
-    forward = head.forward
-
-    def recording(tokens, *args, **kwargs):
-        shapes.append((tokens.shape[0], "logits_at" in kwargs))  # (sequences, whether a catch-up)
-        return forward(tokens, *args, **kwargs)
-
-    monkeypatch.setattr(head, "forward", recording)
-    batched, _ = run_batched(engine, requests, join_every=1)
-    assert batched == alone
+    drafter = engine.drafter(spec)
+    assert drafter.batch_invariant
+    assert_padded_rows_keep_their_bits(drafter.head, lambda: drafter.head.new_cache(64), HIDDEN, drafter.head.dtype)
+    calls = drafts_in_shared_forwards(engine, spec, temperature, drafter.head, "forward", monkeypatch)
+    shapes = [(args[0].shape[0], "logits_at" in kwargs) for args, kwargs in calls]  # (sequences, a catch-up?)
     assert any(batch > 1 and not catch_up for batch, catch_up in shapes), "no drafted position ran as a batch"
     assert any(batch > 1 and catch_up for batch, catch_up in shapes), "no catch-up ran as a batch"
-
-
-def assert_padded_rows_keep_their_bits(head) -> None:
-    """Rows read together with a sequence of another length (its cache and its new rows, padded as a batched
-    catch-up pads them) get bitwise the logits and fed-back states they get alone (the PyTorch attention over a
-    padded batch does not promise that)."""
-    from specdecode.models.kv_cache import CacheBatch
-
-    generator = torch.Generator().manual_seed(0)
-    cached, new = (7, 40), (3, 8)  # rows each sequence's cache holds, rows each reads now
-
-    def inputs(rows: int, start: int):
-        tokens = torch.randint(0, 200, (1, rows), generator=generator)  # [1, R]
-        hidden = torch.randn(1, rows, HIDDEN, generator=generator).to(head.dtype)  # [1, R, H]
-        return tokens, hidden, torch.arange(start, start + rows)[None]
-
-    first = [inputs(n, 0) for n in cached]
-    second = [inputs(n, c) for n, c in zip(new, cached)]
-
-    def primed(b: int):
-        cache = head.new_cache(64)
-        head(*first[b], cache)
-        return cache
-
-    with torch.inference_mode():
-        alone = [head(*second[b], primed(b)) for b in range(2)]
-        padded = [torch.cat([part, part[:, -1:].expand(-1, 8 - new[0], *part.shape[2:])], dim=1)
-                  for part in second[0]]  # sequence 0's 3 rows padded to 8 with copies of its last
-        tokens, hidden, positions = (torch.cat([padded[i], second[1][i]]) for i in range(3))
-        logits, fed_back = head(tokens, hidden, positions, CacheBatch([primed(0), primed(1)]))
-    for b, n in enumerate(new):
-        assert torch.equal(logits[b, :n], alone[b][0][0]) and torch.equal(fed_back[b, :n], alone[b][1][0])

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from batched_runs import run_batched
+from batched_runs import assert_padded_rows_keep_their_bits, drafts_in_shared_forwards
 from conftest import save_tiny_model
 from gguf_files import write_gguf
 from mtp_reference import add_mtp_layers, reference_logits
@@ -189,60 +189,20 @@ def w4a8_mtp_engine(base, tmp_path_factory):
 @pytest.mark.parametrize("options", [{}, {"mtp_draft_vocab": 120}])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mtp_drafts_for_a_whole_batch_in_shared_forwards(w4a8_mtp_engine, monkeypatch, options, temperature):
-    """In w4a8 the modules run batch-invariantly (fixed-order attention), so catch-up and each drafted position
-    run once for every sequence drafting, and each chain is what it drafts alone: outputs stay equal, seeded
-    sampling included (the budget held open and the guard off, so every sequence drafts as it would alone)."""
+    """In w4a8 the modules run batch-invariantly (fixed-order attention): rows keep their bits beside any other
+    sequence, so catch-up and each drafted position run once for every sequence drafting, and each chain is
+    what it drafts alone."""
     engine = w4a8_mtp_engine
-    monkeypatch.setattr(engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    model = engine.target.model
     spec = SpecConfig("mtp", num_draft_tokens=3, guard=False, options=options)
-    assert engine.drafter(spec).batch_invariant
-    prompts = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
-    requests = [(p, SamplingParams(max_tokens=20, temperature=temperature, seed=i, ignore_eos=True), spec)
-                for i, p in enumerate(prompts)]
-    alone = [engine.complete(*request).token_ids for request in requests]
-    batches = []
-    mtp_forward = engine.target.model.mtp_forward
+    drafter = engine.drafter(spec)
+    assert drafter.batch_invariant
 
-    def recording(index, tokens, *args, **kwargs):
-        batches.append(tokens.shape)
-        return mtp_forward(index, tokens, *args, **kwargs)
+    def forward(*args):
+        return model.mtp_forward(0, *args, modules=drafter.running)
 
-    monkeypatch.setattr(engine.target.model, "mtp_forward", recording)
-    batched, _ = run_batched(engine, requests, join_every=1)
-    assert batched == alone
-    assert any(shape[0] > 1 and shape[1] == 1 for shape in batches), "no drafted position ran as a batch"
-    assert any(shape[0] > 1 and shape[1] > 1 for shape in batches), "no catch-up ran as a batch"
-
-
-def test_batch_invariant_modules_give_a_row_the_same_bits_beside_any_other(w4a8_mtp_engine):
-    """Rows read together with a sequence of another length (its cache and its new rows, padded as a batched
-    catch-up pads them) get bitwise the logits and fed-back states they get alone."""
-    from specdecode.models.kv_cache import CacheBatch
-
-    model = w4a8_mtp_engine.target.model
-    modules = w4a8_mtp_engine.drafter(SpecConfig("mtp")).running
-    generator = torch.Generator().manual_seed(0)
-    cached, new = (7, 40), (3, 8)  # rows each sequence's cache holds, rows each reads now
-
-    def inputs(b: int, rows: int, start: int):
-        tokens = torch.randint(0, 200, (1, rows), generator=generator)  # [1, R]
-        hidden = torch.randn(1, rows, 64, generator=generator).to(model.dtype)  # [1, R, H]
-        return tokens, hidden, torch.arange(start, start + rows)[None]
-
-    first = [inputs(b, n, 0) for b, n in enumerate(cached)]
-    second = [inputs(b, n, c) for b, (n, c) in enumerate(zip(new, cached))]
-
-    def primed(b: int):
-        cache = model.new_mtp_cache(64)
-        model.mtp_forward(0, *first[b], cache, modules=modules)
-        return cache
-
-    with torch.inference_mode():
-        alone = [model.mtp_forward(0, *second[b], primed(b), modules=modules) for b in range(2)]
-        padded = [torch.cat([part, part[:, -1:].expand(-1, 8 - new[0], *part.shape[2:])], dim=1)
-                  for part in second[0]]  # sequence 0's 3 rows padded to 8 with copies of its last
-        tokens, hidden, positions = (torch.cat([padded[i], second[1][i]]) for i in range(3))
-        logits, fed_back = model.mtp_forward(0, tokens, hidden, positions, CacheBatch([primed(0), primed(1)]),
-                                             modules=modules)
-    for b, n in enumerate(new):
-        assert torch.equal(logits[b, :n], alone[b][0][0]) and torch.equal(fed_back[b, :n], alone[b][1][0])
+    assert_padded_rows_keep_their_bits(forward, lambda: model.new_mtp_cache(64), 64, model.dtype)
+    calls = drafts_in_shared_forwards(engine, spec, temperature, model, "mtp_forward", monkeypatch)
+    shapes = [args[1].shape for args, _ in calls]  # tokens [B, T] of each module forward
+    assert any(shape[0] > 1 and shape[1] == 1 for shape in shapes), "no drafted position ran as a batch"
+    assert any(shape[0] > 1 and shape[1] > 1 for shape in shapes), "no catch-up ran as a batch"
