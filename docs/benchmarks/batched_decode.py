@@ -3,12 +3,15 @@
 Run from the repository root (about 12 minutes on 2 cores):
 
     python docs/benchmarks/batched_decode.py [--prompts 16] [--max-tokens 128] [--methods "none;ngram;ngram,draft;auto"]
+        [--draft-head "eagle3=PATH,mtp=PATH"] [--draft-quant w4a8]
 
 The same prompts (HumanEval's first N, chat template, greedy, natural ends of turn) go through N slots as the
 server's batched scheduler runs them: N requests step together in Engine.step_many, and a finished one's slot
 takes the next prompt. Decoding time is the steps' time; each request's prefill runs alone as it is admitted
 and is reported apart. N = 1 is also what interleaving (`--batching off`) reaches at any load: one request's
-step at a time. Every output is checked equal to the request decoded alone.
+step at a time. Every output is checked equal to the request decoded alone. A method written `METHOD/one-by-one`
+runs with its drafter proposing for one request at a time (the protocol's default `propose_many`), which is what
+shared drafting forwards save against.
 
 `--forward-costs` instead times one target forward of B sequences x 1 new row each (600 cached tokens apiece,
 median of 5) for B = 1, 2, 4, 8, 16: what a plain batched step costs by batch size.
@@ -20,6 +23,8 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +35,7 @@ from plain_vs_llamacpp import spec_for  # noqa: E402 - "auto" as generate resolv
 
 from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
 from specdecode.bench.datasets import load_questions  # noqa: E402
+from specdecode.drafters.base import Drafter  # noqa: E402
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specdecode.models.kv_cache import CacheBatch  # noqa: E402
 from specdecode.models.loader import load_model  # noqa: E402
@@ -53,6 +59,19 @@ def run_slots(engine: Engine, prompts: list[str], sampling: SamplingParams, spec
             step_active(engine, active, outputs)
             decode += time.perf_counter() - began
     return outputs, decode, prefill
+
+
+@contextmanager
+def one_by_one(drafter: Drafter, wanted: bool):
+    """While active, `drafter` and the members of a chain propose for one request at a time."""
+    drafters = [drafter, *getattr(drafter, "members", [])] if wanted else []
+    for each in drafters:
+        each.propose_many = partial(Drafter.propose_many, each)
+    try:
+        yield
+    finally:
+        for each in drafters:
+            del each.propose_many
 
 
 @torch.inference_mode()
@@ -83,9 +102,13 @@ def main() -> None:
     parser.add_argument("--methods", default="none;ngram;ngram,draft", help="';' between methods")
     parser.add_argument("--slots", default="1,2,4,8,16")
     parser.add_argument("--forward-costs", action="store_true", help="time plain batched forwards instead")
+    parser.add_argument("--draft-head", help="METHOD=PATH,...: the weights of eagle3, mtp (a companion file) ...")
+    parser.add_argument("--draft-quant", default="w4a8", help="what those drafters' own weights run as")
     args = parser.parse_args()
+    heads = dict(item.split("=", 1) for item in args.draft_head.split(",")) if args.draft_head else None
     engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant="auto"),
-                    load_model(DEFAULT_DRAFT, quiet=True, quant="auto"))  # w4a8 on a CPU with the kernel
+                    load_model(DEFAULT_DRAFT, quiet=True, quant="auto"),  # w4a8 on a CPU with the kernel
+                    draft_path=heads, draft_quant=args.draft_quant)
     if args.forward_costs:
         forward_costs(engine)
         return
@@ -95,10 +118,12 @@ def main() -> None:
     print("| method | slots | decode tokens/s | vs 1 slot | prefill s | identical to alone |")
     print("|---|---|---|---|---|---|")
     for method in args.methods.split(";"):
-        spec = spec_for(method)
+        name, _, mode = method.partition("/")
+        spec = spec_for(name)
         alone = None
         for slots in [int(n) for n in args.slots.split(",")]:
-            outputs, decode, prefill = run_slots(engine, prompts, sampling, spec, slots)
+            with one_by_one(engine.drafter(spec), mode == "one-by-one"):
+                outputs, decode, prefill = run_slots(engine, prompts, sampling, spec, slots)
             tokens = sum(len(ids) - 1 for ids in outputs)  # the first token of each comes from its prefill
             rate = tokens / decode
             alone = alone or (outputs, rate)
