@@ -169,7 +169,7 @@ def test_auto_and_advise_use_the_layers_a_target_ships(base, tmp_path, capsys):
     from specdecode.bench.advise import default_candidates
 
     folder, _ = with_mtp(base, tmp_path, "mimo", follow=1.0)
-    assert "mtp,mtp:mtp_draft_vocab=16000" in default_candidates(False, ships_mtp=True)
+    assert "mtp,mtp:mtp_draft_vocab=0" in default_candidates(False, ships_mtp=True)
     assert "mtp" not in default_candidates(True)
     args = ["generate", "hello hello", "--model", str(folder), "--max-tokens", "16", "--ignore-eos", "--dtype",
             "float32", "--quant", "none", "--spec-type", "auto", "--compare-plain"]

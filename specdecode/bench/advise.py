@@ -36,8 +36,9 @@ class Ranked:
 
 def default_candidates(has_draft: bool, ships_mtp: bool = False) -> str:
     """The methods tried when the user names none: lookups, the draft model's when there is one, and the
-    target's own MTP layers when it ships them (over its whole vocabulary and over the frequent 16000 tokens)."""
-    mtp = ",mtp,mtp:mtp_draft_vocab=16000" if ships_mtp else ""
+    target's own MTP layers when it ships them (over the frequent 16000 tokens, the default, and its whole
+    vocabulary)."""
+    mtp = ",mtp,mtp:mtp_draft_vocab=0" if ships_mtp else ""
     return (WITH_DRAFT_MODEL if has_draft else WITHOUT_DRAFT_MODEL) + mtp
 
 
