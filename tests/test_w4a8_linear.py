@@ -268,3 +268,21 @@ def test_clear_errors_for_group_size_and_cpus_without_avx2(tmp_path, monkeypatch
     with pytest.raises(SpecDecodeError, match=r"needs a CPU with avx2, fma \(or avx512f, avx512bw, avx512_vnni\); "
                                               "this one lacks avx2, fma; use --quant int4"):
         load_model(folder, dtype="float32", quant="w4a8")
+
+
+def test_a_build_lock_left_by_an_interrupted_compile_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
+    """torch waits for the lock to go: one left by a killed compile would hang every later start."""
+    import os
+    import time
+
+    from specdecode.models.quant.w4a8_linear import STALE_LOCK_SECONDS, clear_stale_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "specdecode_w4a8_test" / "lock"
+    assert not clear_stale_build_lock("specdecode_w4a8_test")  # none: nothing to do
+    lock.touch()
+    assert not clear_stale_build_lock("specdecode_w4a8_test") and lock.exists()  # another process compiling
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert clear_stale_build_lock("specdecode_w4a8_test") and not lock.exists()
+    assert "interrupted compile" in capsys.readouterr().err

@@ -33,12 +33,12 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
 from specdecode.models.kv_cache import CacheBatch, KVCache
 from specdecode.models.loader import module_bytes
+from specdecode.models.quant.w4a8_linear import TILE_ROWS
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
-ROW_TILE = 16  # outputs per tile of the w4a8 kernel: a reduced head of whole tiles runs in it (else in int8)
 
 
 @dataclass(frozen=True)
@@ -219,14 +219,15 @@ def _companion(resources: DrafterResources) -> nn.ModuleList | None:
 
 def frequent_ids(size: int, vocab: int, end_of_turn: frozenset[int]) -> torch.Tensor:
     """The `size` lowest ids (a byte-level BPE vocabulary numbers its merges most frequent first), a few more of
-    them to make a multiple of ROW_TILE with the end-of-turn tokens, and those, ascending -> [Vd] long: what
+    them to make a multiple of TILE_ROWS with the end-of-turn tokens, and those, ascending -> [Vd] long: what
     `mtp_draft_vocab` drafts over and `train mtp` trains on."""
     lowest = min(size, vocab)
 
     def ends() -> list[int]:
         return sorted(t for t in end_of_turn if lowest <= t < vocab)
 
-    while (lowest + len(ends())) % ROW_TILE and lowest < vocab:  # the w4a8 kernel takes whole tiles
+    # A head of whole tiles runs in the w4a8 kernel; else it falls back to int8.
+    while (lowest + len(ends())) % TILE_ROWS and lowest < vocab:
         lowest += 1
     return torch.cat([torch.arange(lowest), torch.tensor(ends(), dtype=torch.long)])
 

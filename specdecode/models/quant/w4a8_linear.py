@@ -20,7 +20,8 @@ The kernel (w4a8_core.cpp, and w4a8_layer.cpp's fused decoder layer) is written 
 compiled per instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2 and FMA, or ARM NEON with the dot product, the
 best this CPU has (or the one SPECDECODE_W4A8_ISA names). Each variant is its own extension, compiled at first use
 by torch.utils.cpp_extension (g++ and ninja) into torch's extensions folder, about 35 s once per machine and
-variant. The weight layout is the same for all, so one cached quantized model serves every CPU, and the matmul
+variant (a build lock an interrupted compile left behind is removed once it is older than any compile). The
+weight layout is the same for all, so one cached quantized model serves every CPU, and the matmul
 gives the same floats on all (integer sums are exact, and the float scaling is the same per lane).
 """
 
@@ -31,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,8 +44,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.quant.quantized_linear import rows_in_multiples
 
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
-_TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
+TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
 _BLOCK_GROUPS = 8  # groups per bfloat16 multiplier of the 8-bit scale and offset codes (256 inputs, as Q4_K)
+STALE_LOCK_SECONDS = 600  # a build lock older than this was left by an interrupted compile (one takes ~35 s)
 ISA_SETTING = "SPECDECODE_W4A8_ISA"  # environment variable forcing a variant, e.g. to test AVX2 on AVX-512
 # The kernel's variants, best first: name -> (the CPU flags it needs, in Linux's /proc/cpuinfo names, and the
 # g++ flags it is compiled with). -march=native is not used, so a variant's build does not depend on which CPU
@@ -61,7 +64,7 @@ _DARWIN_FLAGS = {"hw.optional.avx2_0": "avx2", "hw.optional.fma": "fma", "hw.opt
 
 
 def w4a8_fits(out_features: int, in_features: int) -> bool:
-    return out_features % _TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
+    return out_features % TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
 
 
 _kernel = None  # the chosen variant's extension, once loaded: every forward needs it, so it is found in one lookup
@@ -138,6 +141,7 @@ def load_variant(isa: str, quiet: bool = True):
         if not quiet:
             print(f"loading the w4a8 kernel for {isa} (compiled once per machine, about 35 s)", file=sys.stderr,
                   flush=True)
+        clear_stale_build_lock(f"specdecode_w4a8_{isa}")
         files = ("w4a8_core.cpp", "w4a8_kernel.cpp", "attention.cpp", "w4a8_layer.cpp")
         sources = [str(Path(__file__).with_name(name)) for name in files]
         # Hidden symbols: two variants loaded in one process must not call into each other's functions.
@@ -145,6 +149,26 @@ def load_variant(isa: str, quiet: bool = True):
         _variants[isa] = load(name=f"specdecode_w4a8_{isa}", sources=sources, extra_cflags=cflags,
                               extra_ldflags=["-fopenmp"], verbose=False)
     return _variants[isa]
+
+
+def clear_stale_build_lock(name: str) -> bool:
+    """Remove extension `name`'s build lock when it is older than any compile: torch.utils.cpp_extension waits
+    for the lock to go, and a compile interrupted (Ctrl-C, a killed server) leaves it behind, so every later
+    start would wait forever. -> whether one was removed."""
+    # The folder load() builds in (torch's own helper: the root depends on the Python and accelerator build).
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False  # another process is compiling it now
+    lock.unlink(missing_ok=True)
+    print(f"removed {lock}, left {age / 60:.0f} minutes ago by an interrupted compile of the w4a8 kernel",
+          file=sys.stderr)
+    return True
 
 
 def _cpu_flags() -> set[str]:
@@ -186,7 +210,7 @@ def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor)
     -> the kernel's layout (see w4a8_kernel.cpp): codes [n/16, K/32, 256] uint8, group_scales [n/16, K/32, 32]
     uint8 and block_scales [n/16, ceil(K/256), 32] bfloat16."""
     rows, in_features = codes.shape
-    tiles, groups = rows // _TILE_ROWS, in_features // W4A8_GROUP
+    tiles, groups = rows // TILE_ROWS, in_features // W4A8_GROUP
     # A negative scale flips its group's codes, q * s + o = (15 - q) * (-s) + (o + 15 s), so scale codes are
     # unsigned and keep all 8 bits.
     flipped = scales < 0  # [n, G]
@@ -195,11 +219,11 @@ def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor)
     scale_codes, scale_units = _codes_per_block(scales.abs(), 255)  # [n, G] in [0, 255], [n, B]
     offset_codes, offset_units = _codes_per_block(offsets, 127)  # [n, G] in [-127, 127], [n, B]
 
-    quads = codes.to(torch.uint8).view(tiles, _TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, 8, 16, 4]
+    quads = codes.to(torch.uint8).view(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, 8, 16, 4]
     packed = quads[:, :, :4] | (quads[:, :, 4:] << 4)  # [T, G, 4, 16, 4]: inputs 16-31 in the high nibbles
 
     def per_tile(values: torch.Tensor) -> torch.Tensor:  # [n, X] -> [T, X, 16]
-        return values.reshape(tiles, _TILE_ROWS, -1).permute(0, 2, 1)
+        return values.reshape(tiles, TILE_ROWS, -1).permute(0, 2, 1)
 
     group_scales = torch.cat([per_tile(scale_codes.to(torch.uint8)),
                               per_tile(offset_codes.to(torch.int8).view(torch.uint8))], dim=-1)  # [T, G, 32]
@@ -233,7 +257,7 @@ class W4A8Linear(nn.Module):
         self.register_buffer("group_scales", group_scales)
         self.register_buffer("block_scales", block_scales)
         self.register_buffer("bias", bias.detach() if bias is not None else None)  # saved with the layer
-        self.out_features = codes.shape[0] * _TILE_ROWS
+        self.out_features = codes.shape[0] * TILE_ROWS
         self.in_features = codes.shape[1] * W4A8_GROUP
 
     @classmethod
@@ -242,9 +266,9 @@ class W4A8Linear(nn.Module):
         """Blocks of rows of (codes [n, K] in [0, 15], scales [n, K/32], zeros [n, K/32]) in the int4 layers'
         convention w = (code - 8) * scale + zero, the one GGUF Q4_K groups and min-max quantization give."""
         parts = []
-        for codes, scales, zeros in rows_in_multiples(blocks, _TILE_ROWS):
+        for codes, scales, zeros in rows_in_multiples(blocks, TILE_ROWS):
             if not w4a8_fits(*codes.shape):
-                raise SpecDecodeError(f"w4a8 needs output sizes divisible by {_TILE_ROWS} and input sizes by "
+                raise SpecDecodeError(f"w4a8 needs output sizes divisible by {TILE_ROWS} and input sizes by "
                                       f"{W4A8_GROUP}; a layer has {codes.shape[0]} x {codes.shape[1]}")
             parts.append(pack_tiles(codes, scales.float(), zeros.float() - 8 * scales.float()))
         return cls(*(torch.cat(part) for part in zip(*parts)), bias)
