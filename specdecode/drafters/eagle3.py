@@ -23,7 +23,7 @@ import torch
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
-from specdecode.drafters.hidden_chain import draft_chains, read_pending
+from specdecode.drafters.hidden_chain import draft_chains, for_asked, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
@@ -118,21 +118,14 @@ class Eagle3Drafter(Drafter):
             state = seq.drafter_state[self.name]
             self._read_pending([seq], [state])
             return self._tree(seq, state, budget)
-        return self.propose_many([seq], [budget])[0]
+        return self._chains([seq], [budget])[0]
 
     def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Chains for several requests in shared forwards (one catch-up, then one per drafted position) where
         the head is batch-invariant, so each chain is what that request drafts alone; else (or trees) one by one."""
-        if len(seqs) > 1 and (self.tree or not self.batch_invariant):
+        if self.tree or not self.batch_invariant:
             return super().propose_many(seqs, budgets)
-        proposals = [DraftProposal.empty(self.name) for _ in seqs]
-        asked = [b for b, budget in enumerate(budgets) if budget > 0]
-        if not asked:  # a chain whose earlier member drafted for every sequence
-            return proposals
-        chains = self._chains([seqs[b] for b in asked], [budgets[b] for b in asked])
-        for b, chain in zip(asked, chains):
-            proposals[b] = chain
-        return proposals
+        return for_asked(seqs, budgets, self._chains, self.name)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]

@@ -39,6 +39,18 @@ def draft_chain(seq: Sequence, budget: int, logits: torch.Tensor, hidden: torch.
     return draft_chains([seq], [budget], [logits], [hidden], one, source)[0]
 
 
+def for_asked(seqs: list[Sequence], budgets: list[int], chains: Callable[[list[Sequence], list[int]], list],
+              source: str) -> list[DraftProposal]:
+    """`chains(seqs, budgets)` over the sequences asked for tokens (a budget above 0), empty proposals for the rest
+    (a chain whose earlier member drafted for them)."""
+    proposals = [DraftProposal.empty(source) for _ in seqs]
+    asked = [b for b, budget in enumerate(budgets) if budget > 0]
+    if asked:
+        for b, chain in zip(asked, chains([seqs[b] for b in asked], [budgets[b] for b in asked])):
+            proposals[b] = chain
+    return proposals
+
+
 def draft_chains(seqs: list[Sequence], budgets: list[int], logits: list[torch.Tensor], hidden: list[torch.Tensor],
                  step: BatchStep, source: str) -> list[DraftProposal]:
     """Each sequence's logits [V] and hidden [H] at its last committed position -> up to its budget of tokens;

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.hidden_chain import draft_chains, read_pending
+from specdecode.drafters.hidden_chain import draft_chains, for_asked, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
@@ -117,18 +117,16 @@ class MTPDrafter(Drafter):
         self._read_pending([seq], [state])  # the prompt now, in the prefill phase
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
-        return self.propose_many([seq], [budget])[0]
+        return self._chains([seq], [budget])[0]
 
     def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Chains for several requests in shared forwards (one catch-up, then one per drafted position) where
         the modules are batch-invariant, so each chain is what that request drafts alone; else one by one."""
-        if len(seqs) > 1 and not self.batch_invariant:
+        if not self.batch_invariant:
             return super().propose_many(seqs, budgets)
-        proposals = [DraftProposal.empty(self.name) for _ in seqs]
-        asked = [b for b, budget in enumerate(budgets) if budget > 0]
-        if not asked:  # a chain whose earlier member drafted for every sequence
-            return proposals
-        seqs, budgets = [seqs[b] for b in asked], [budgets[b] for b in asked]
+        return for_asked(seqs, budgets, self._chains, self.name)
+
+    def _chains(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         states = [seq.drafter_state[self.name] for seq in seqs]
         self._read_pending(seqs, states)
         device = self.target.device
@@ -145,11 +143,8 @@ class MTPDrafter(Drafter):
                                             caches[0] if len(caches) == 1 else CacheBatch(caches))
             return self._target_logits(logits[:, -1]), fed_back[:, -1]  # [F, V], [F, H]
 
-        chains = draft_chains(seqs, budgets, [self._target_logits(state.logits) for state in states],
-                              [state.hidden for state in states], step, self.name)
-        for b, chain in zip(asked, chains):
-            proposals[b] = chain
-        return proposals
+        return draft_chains(seqs, budgets, [self._target_logits(state.logits) for state in states],
+                            [state.hidden for state in states], step, self.name)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]
