@@ -20,23 +20,9 @@ from specdecode.spec_types import DraftProposal, Sequence
 # (tokens [G, P], their hidden states [G, P, H], positions [G, P], one cache or a batch of them, each sequence's
 # last real row [G, 1]) -> (logits there [G, 1, Vd], the hidden states to feed back [G, P, H])
 CatchUp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# (draft step i >= 1, the token drafted before it, the hidden state fed back) -> (logits [V], hidden [H])
-Step = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (draft step i >= 1, which chains go on (indices into the batch), their tokens [F] long, their hidden states
 # [F, H]) -> (logits [F, V], hidden [F, H])
 BatchStep = Callable[[int, list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def draft_chain(seq: Sequence, budget: int, logits: torch.Tensor, hidden: torch.Tensor, step: Step,
-                source: str) -> DraftProposal:
-    """logits [V] (the target's vocabulary) and hidden [H] at the last committed position -> up to `budget`
-    tokens."""
-
-    def one(index: int, chains: list[int], tokens: torch.Tensor, hiddens: torch.Tensor):
-        logits, fed_back = step(index, int(tokens[0]), hiddens[0])
-        return logits.unsqueeze(0), fed_back.unsqueeze(0)
-
-    return draft_chains([seq], [budget], [logits], [hidden], one, source)[0]
 
 
 def for_asked(seqs: list[Sequence], budgets: list[int], chains: Callable[[list[Sequence], list[int]], list],

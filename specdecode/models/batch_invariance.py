@@ -47,8 +47,7 @@ def fix_eagle3_attention(head: Eagle3Head) -> bool:
     every matmul of its layer and its output head w4a8, the kernel able to read its cache -> whether it now is.
     (fc fuses each request's own target rows at commit, never batched, so its kind does not matter.)"""
     layer = head.layer
-    output = head.lm_head if head.lm_head is not None else head._shared["head"]
-    linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down, output)
+    linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down, head.output_head)
     if not all(isinstance(linear, W4A8Linear) for linear in linears) or not _kernel_reads(head.dtype, layer.attn):
         return False
     layer.fixed_attention = partial(fixed_order_attention, layer.attn, load_kernel().attend)

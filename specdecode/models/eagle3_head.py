@@ -112,6 +112,11 @@ class Eagle3Head(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def output_head(self) -> nn.Module:
+        """Its own output layer, or the target's it shares."""
+        return self.lm_head if self.lm_head is not None else self._shared["head"]
+
     def new_cache(self, capacity: int) -> KVCache:
         layer = self.config.layer
         return KVCache(1, 1, layer.num_kv_heads, layer.head_dim, capacity, self.dtype, self.device)
@@ -144,8 +149,7 @@ class Eagle3Head(nn.Module):
         out = self.layer(self.embed_tokens(tokens), hidden.to(self.dtype), cos, sin, cache, mask)  # [B, T, H]
         cache.advance(new)
         normed = self.norm(out)  # [B, T, H]
-        head = self.lm_head if self.lm_head is not None else self._shared["head"]
-        logits = head(pick_rows(normed, logits_at)).float()  # [B, T', Vd]
+        logits = self.output_head(pick_rows(normed, logits_at)).float()  # [B, T', Vd]
         if self.config.logit_scale != 1.0:
             logits = logits * self.config.logit_scale
         return logits, (normed if self.config.norm_output else out)
