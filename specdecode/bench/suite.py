@@ -57,9 +57,8 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
                 options[key] = _option_value(key, value, type(known[key][1].default))
             else:
                 raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, adaptive=on|off, "
-                                      f"guard=on|off, combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off or a drafter "
-                                      "option "
-                                      f"({', '.join(sorted(known))}) as NAME=VALUE")
+                                      f"guard=on|off, combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off "
+                                      f"or a drafter option ({', '.join(sorted(known))}) as NAME=VALUE")
         spec = SpecConfig(name.replace("+", ","), k, adaptive, options, guard=guard, combine=combine,
                           relaxed=relaxed)
         check_options(spec)

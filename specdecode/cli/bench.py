@@ -35,8 +35,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--per-category", type=int, help="first N questions of each category")
     bench.add_argument("--methods", default="ngram,draft,ngram+draft",
                        help="our methods, comma-separated; '+' chains (ngram+draft), ':k=N' sets the draft length, "
-                       "':adaptive=on|off' whether it adapts, ':guard=on|off' the speed guard, ':combine=first|best' a chain's rule, "
-                       "':relaxed=RULE[:VALUE]' lossy acceptance (marked in the report) and ':NAME=VALUE' a "
+                       "':adaptive=on|off' whether it adapts, ':guard=on|off' the speed guard, "
+                       "':combine=first|best' a chain's rule, ':relaxed=RULE[:VALUE]' lossy acceptance (marked in the report) and ':NAME=VALUE' a "
                        "drafter option (draft:draft_tree_nodes=8), ';' between settings; 'auto' what --spec-type auto "
                        "picks; plain decoding (none) always runs as the baseline")
     bench.add_argument("--peer", action="append", default=[],

@@ -13,6 +13,7 @@ probabilities or trees, whether its proposals have a fixed block size, whether i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -106,6 +107,17 @@ class Drafter:
         gives that request alone; a drafter whose forwards batch without changing a bit overrides this."""
         return [self.propose(seq, budget) if budget > 0 else DraftProposal.empty(self.name)
                 for seq, budget in zip(seqs, budgets)]
+
+    def proposals_for_asked(self, seqs: list[Sequence], budgets: list[int],
+                            chains: Callable[[list[Sequence], list[int]], list[DraftProposal]]) -> list[DraftProposal]:
+        """For a `propose_many` that batches: `chains(seqs, budgets)` over the sequences asked for tokens (a budget
+        above 0), empty proposals for the rest (a chain whose earlier member drafted for them)."""
+        proposals = [DraftProposal.empty(self.name) for _ in seqs]
+        asked = [b for b, budget in enumerate(budgets) if budget > 0]
+        if asked:
+            for b, chain in zip(asked, chains([seqs[b] for b in asked], [budgets[b] for b in asked])):
+                proposals[b] = chain
+        return proposals
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted

@@ -111,16 +111,12 @@ class DraftModelDrafter(Drafter):
         the draft model is batch-invariant (w4a8), so each chain is what `propose` drafts alone; else one by one."""
         if self.tree or not self.batch_invariant:
             return super().propose_many(seqs, budgets)
-        proposals = [DraftProposal.empty(self.name) for _ in seqs]
-        asked = [b for b, budget in enumerate(budgets) if budget > 0]
-        if not asked:  # a chain whose earlier member drafted for every sequence
-            return proposals
-        caches = [seqs[b].drafter_state[self.name] for b in asked]
-        logits = self._catch_up_many([seqs[b] for b in asked], caches)
-        chains = self._chains([seqs[b] for b in asked], caches, logits, [budgets[b] for b in asked])
-        for b, chain in zip(asked, chains):
-            proposals[b] = chain
-        return proposals
+
+        def chains(asked: list[Sequence], asked_budgets: list[int]) -> list[DraftProposal]:
+            caches = [seq.drafter_state[self.name] for seq in asked]
+            return self._chains(asked, caches, self._catch_up_many(asked, caches), asked_budgets)
+
+        return self.proposals_for_asked(seqs, budgets, chains)
 
     def _chains(self, seqs: list[Sequence], caches: list[KVCache], logits: list[torch.Tensor],
                 budgets: list[int]) -> list[DraftProposal]:

@@ -23,7 +23,7 @@ import torch
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
-from specdecode.drafters.hidden_chain import draft_chains, for_asked, read_pending
+from specdecode.drafters.hidden_chain import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.eagle3_head import Eagle3Head
@@ -125,7 +125,7 @@ class Eagle3Drafter(Drafter):
         the head is batch-invariant, so each chain is what that request drafts alone; else (or trees) one by one."""
         if self.tree or not self.batch_invariant:
             return super().propose_many(seqs, budgets)
-        return for_asked(seqs, budgets, self._chains, self.name)
+        return self.proposals_for_asked(seqs, budgets, self._chains)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]

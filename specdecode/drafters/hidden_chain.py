@@ -19,22 +19,11 @@ from specdecode.spec_types import DraftProposal, Sequence
 
 # (tokens [G, P], their hidden states [G, P, H], positions [G, P], one cache or a batch of them, each sequence's
 # last real row [G, 1]) -> (logits there [G, 1, Vd], the hidden states to feed back [G, P, H])
-CatchUp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+CatchUp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache | CacheBatch, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor]]
 # (draft step i >= 1, which chains go on (indices into the batch), their tokens [F] long, their hidden states
 # [F, H]) -> (logits [F, V], hidden [F, H])
 BatchStep = Callable[[int, list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def for_asked(seqs: list[Sequence], budgets: list[int], chains: Callable[[list[Sequence], list[int]], list],
-              source: str) -> list[DraftProposal]:
-    """`chains(seqs, budgets)` over the sequences asked for tokens (a budget above 0), empty proposals for the rest
-    (a chain whose earlier member drafted for them)."""
-    proposals = [DraftProposal.empty(source) for _ in seqs]
-    asked = [b for b, budget in enumerate(budgets) if budget > 0]
-    if asked:
-        for b, chain in zip(asked, chains([seqs[b] for b in asked], [budgets[b] for b in asked])):
-            proposals[b] = chain
-    return proposals
 
 
 def draft_chains(seqs: list[Sequence], budgets: list[int], logits: list[torch.Tensor], hidden: list[torch.Tensor],

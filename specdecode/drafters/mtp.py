@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.hidden_chain import draft_chains, for_asked, read_pending
+from specdecode.drafters.hidden_chain import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
@@ -124,7 +124,7 @@ class MTPDrafter(Drafter):
         the modules are batch-invariant, so each chain is what that request drafts alone; else one by one."""
         if not self.batch_invariant:
             return super().propose_many(seqs, budgets)
-        return for_asked(seqs, budgets, self._chains, self.name)
+        return self.proposals_for_asked(seqs, budgets, self._chains)
 
     def _chains(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         states = [seq.drafter_state[self.name] for seq in seqs]
