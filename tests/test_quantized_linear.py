@@ -40,6 +40,21 @@ def test_int8_matches_its_own_dequantized_weight_and_stays_near_float():
     assert ((out - layer(x)).abs() <= bound + 1e-5).all()
 
 
+@pytest.mark.parametrize("in_features", [8, 72])
+def test_int8_in_bfloat16_is_right_when_the_inputs_are_not_a_multiple_of_16(in_features):
+    """torch's int8 kernel reads past such rows in bfloat16 (garbage, NaN, or a crash: found as a DSpark Markov
+    head of rank 8 drafting NaN now and then); the layer pads them with zero columns."""
+    generator = torch.Generator().manual_seed(0)
+    layer = nn.Linear(in_features, 48).to(torch.bfloat16)
+    quantized = Int8Linear.from_linear(layer)
+    dequantized = quantized.weight.float() * quantized.scales.float()[:, None]  # [N, K]
+    for rows in (1, 2, 5) * 10:
+        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)  # [R, K]
+        expected = F.linear(x.float(), dequantized, layer.bias.float())
+        assert torch.allclose(quantized(x).float(), expected, atol=0.05, rtol=0.02)
+    assert set(quantized.state_dict()) == {"weight", "scales", "bias"}, "the padded copy is not saved"
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_groups_reproduce_their_dequantized_weight(group_size):
     layer = linear()

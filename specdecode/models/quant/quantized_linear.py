@@ -17,6 +17,9 @@ from specdecode.errors import SpecDecodeError
 _INT4_PACK_ROWS = 64  # the int4 CPU packing lays out rows in blocks of 64, with a differently laid-out tail
 QUANT_MODES = ("none", "int8", "int4", "w4a8")  # w4a8: int4 weights, int8 activations (w4a8_linear.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
+# torch's int8 CPU kernel (torch 2.13) reads past the end of each row in bfloat16 when K is not a multiple of 16:
+# garbage outputs, NaN or a crash. Such layers run with zero columns appended, which add nothing to the sums.
+_INT8_K_MULTIPLE = 16
 
 
 def row_blocks_of(weight: torch.Tensor, size: int = 4096) -> Iterator[torch.Tensor]:
@@ -89,6 +92,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias.detach() if bias is not None else None)  # saved with the layer
         self.out_features = weight.shape[0]
+        self.in_features = weight.shape[1]
+        pad = -self.in_features % _INT8_K_MULTIPLE
+        # [N, K + pad]: what the kernel multiplies; derived, so kept out of the saved state
+        self.register_buffer("kernel_weight", nn.functional.pad(weight, (0, pad)) if pad else None, persistent=False)
 
     @classmethod
     def from_blocks(cls, blocks: Iterable[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -110,8 +117,12 @@ class Int8Linear(nn.Module):
         return cls.from_weight(linear.weight, linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [R, K]: the kernel takes 2-D activations
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # [R, N]
+        flat = x.reshape(-1, self.in_features)  # [R, K]: the kernel takes 2-D activations
+        weight = self.weight
+        if self.kernel_weight is not None:
+            weight = self.kernel_weight
+            flat = nn.functional.pad(flat, (0, weight.shape[1] - self.in_features))  # [R, K + pad]
+        out = torch.ops.aten._weight_int8pack_mm(flat, weight, self.scales)  # [R, N]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
