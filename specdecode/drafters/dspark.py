@@ -56,6 +56,7 @@ class DSparkDrafter(DFlashDrafter):
         self.model = model
         self.block = min(options.dspark_block_size or model.config.block_size, model.config.block_size)
         self.threshold = options.dspark_confidence if model.confidence_head is not None else 0.0
+        self.forward_size = model.config.block_size  # the backbone always runs the block it was trained on
         # Every slot drafts, so the target verifies the root and `block` drafts: caps.block_size counts the root.
         self.caps = DrafterCaps(hidden_layers=tuple(sorted(model.config.boundary_ids)), emits_probs=True,
                                 block_size=self.block + 1, draft_files=True)
@@ -69,39 +70,43 @@ class DSparkDrafter(DFlashDrafter):
     def max_nodes(self, budget: int) -> int:
         return min(budget, self.block)
 
-    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
-        state = seq.drafter_state[self.name]
-        self._read_pending(state)
-        model, device = self.model, self.model.device
-        root = len(seq.tokens) - 1  # the last committed token's position: the block's slot 0
-        size = model.config.block_size  # the backbone always runs the block it was trained on
-        tokens = torch.full((size,), model.config.mask_token_id, dtype=torch.long, device=device)  # [B]
-        tokens[0] = seq.tokens[-1]
+    def _drafting_rows(self, seq: Sequence, budget: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] one block -> the slots that may draft, [n, H] (every slot drafts in DeepSpec's convention),
+        none when slot 0 is already doubtful: the cut comes before the head, most of the cost."""
         slots = self.max_nodes(budget)
+        with torch.inference_mode():
+            doubtful = bool(self.threshold) and self._doubtful(hidden[:1], self._root(seq))
+        if doubtful:
+            seq.stats.note("dspark_confidence_cut", slots)
+            return hidden[:0]
+        return hidden[:slots]
+
+    def _draft(self, seq: Sequence, hidden: torch.Tensor, base: torch.Tensor) -> DraftProposal:
+        """The slots' hidden [n, H] and head logits [n, V] -> drafts one slot after another (slot k's Markov
+        correction reads slot k-1's draft), each from its own corrected law, until a slot is doubtful."""
+        slots = hidden.shape[0]
         drafts: list[int] = []
         laws: list[torch.Tensor] = []  # [1, V] each: the law each draft was drawn from
+        previous = self._root(seq)  # [1]
         with torch.inference_mode():
-            hidden = model.block_hidden(tokens, torch.arange(root, root + size, device=device), state.cache)[:slots]
-            previous = tokens[:1]  # [1]
-            if self.threshold and self._doubtful(hidden[:1], previous):  # before the head, most of the cost
-                seq.stats.note("dspark_confidence_cut", slots)
-                return DraftProposal.empty(self.name)
-            base = model.head_logits(hidden)  # [n, V]
-            markov = model.start_state(1)  # [1, r]
+            markov = self.model.start_state(1)  # [1, r]
             for slot in range(slots):
                 if slot and self.threshold and self._doubtful(hidden[slot : slot + 1], previous):
                     seq.stats.note("dspark_confidence_cut", slots - slot)
                     break
-                logits, markov = model.slot_logits(base[slot : slot + 1], hidden[slot : slot + 1], previous, markov)
+                logits, markov = self.model.slot_logits(base[slot : slot + 1], hidden[slot : slot + 1], previous,
+                                                        markov)
                 if seq.sampling.greedy:
                     previous = logits.argmax(dim=-1)  # [1]
                 else:
                     laws.append(logits_to_probs(logits, seq.sampling))
                     previous = sample(laws[-1], seq.generator)
                 drafts.append(int(previous))
-        if not drafts:
-            return DraftProposal.empty(self.name)
         return DraftProposal.chain(drafts, torch.cat(laws) if laws else None, self.name)
+
+    def _root(self, seq: Sequence) -> torch.Tensor:
+        """[1] the last committed token: what slot 0's Markov correction and confidence read as the token before."""
+        return torch.tensor([seq.tokens[-1]], device=self.model.device)
 
     def _doubtful(self, hidden: torch.Tensor, previous: torch.Tensor) -> bool:
         """Whether the slot's estimated chance of acceptance (hidden [1, H], previous [1]) is below the threshold."""

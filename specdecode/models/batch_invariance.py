@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from specdecode.models.dflash_model import DFlashModel
 from specdecode.models.eagle3_head import Eagle3Head
 from specdecode.models.float_decoder import FloatDecoderLayer, fixed_order_attention
 from specdecode.models.mtp import MTPModule
@@ -51,6 +52,22 @@ def fix_eagle3_attention(head: Eagle3Head) -> bool:
     if not all(isinstance(linear, W4A8Linear) for linear in linears) or not _kernel_reads(head.dtype, layer.attn):
         return False
     layer.fixed_attention = partial(fixed_order_attention, layer.attn, load_kernel().attend)
+    return True
+
+
+def fix_dflash_attention(model: DFlashModel) -> bool:
+    """Give a DFlash (or DSpark) backbone the fixed-order attention where that makes its blocks batch-invariant:
+    every matmul of its layers and of the head its drafting slots go through w4a8, the kernel able to read its
+    cache -> whether it now has it. (fc fuses each request's own target rows at commit, never batched, and
+    DSpark's Markov and confidence heads run per request, so their kinds do not matter.)"""
+    linears = [model.output_head] + [linear for layer in model.layers
+                        for linear in (layer.q, layer.kv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    config = model.config.layer
+    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+        return False
+    if model.dtype not in (torch.float32, torch.bfloat16) or config.head_dim % 16 or w4a8_unavailable() is not None:
+        return False
+    model.fixed_attend = load_kernel().attend
     return True
 
 

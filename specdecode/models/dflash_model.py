@@ -13,6 +13,10 @@ reference (PyPI `dflash`, dflash/model.py) computes it:
     logits = head(norm(X))[1:] * output_multiplier          (tanh soft-capped when the config says so)
 
 Sliding-window layers are causal within their window unless the config says otherwise (the reference's rule).
+
+Where every matmul is w4a8 (row-invariant), the attention can run in the compiled fixed-order kernel instead
+(`fixed_attend`, set by batch_invariance.fix_dflash_attention): several sequences' blocks then share one forward
+(`blocks_hidden`) and each slot gets bitwise what it gets alone.
 """
 
 from __future__ import annotations
@@ -84,6 +88,27 @@ class DFlashLayer(nn.Module):
         x = x + self.o(out[0].transpose(0, 1).reshape(x.shape[0], self.heads * self.dim))
         return x + self.mlp(self.mlp_norm(x))
 
+    def fixed_order_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                            index: int, visible: torch.Tensor, attend) -> torch.Tensor:
+        """Several blocks, each over its own cache: x [N, B, H]; cos, sin [N, 1, B, D/2]; visible [N, 1, B, S]
+        bool over each cache's slots (its context, then its block's slots written after it) -> [N, B, H]. As
+        `forward`, with the attention in the compiled fixed-order kernel `attend`, which writes the blocks' keys
+        and values after each context (past its length: they stay out of it) and sums each row's visible slots
+        in slot order, so a block's bits do not depend on the others."""
+        count, size, _ = x.shape
+        normed = self.attn_norm(x)
+        q = self.q(normed).view(count, size, self.heads, self.dim)  # [N, B, h, D]
+        k, v = self.kv(normed).view(count, size, 2, self.kv_heads, self.dim).unbind(2)  # [N, B, Hkv, D] each
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin).transpose(1, 2)  # [N, B, h, D]
+        k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin).transpose(1, 2)  # [N, B, Hkv, D]
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).float().contiguous()  # [N, B, width]
+        keys = [cache.keys[index, 0] for cache in caches]  # [Hkv, S_n, D] each, written in place
+        values = [cache.values[index, 0] for cache in caches]
+        starts = [cache.lengths[0] for cache in caches]
+        out = attend(qkv, keys, values, starts, visible, self.heads, self.kv_heads, self.dim)  # [N, B, h*D] fp32
+        x = x + self.o(out.to(x.dtype))
+        return x + self.mlp(self.mlp_norm(x))
+
 
 class DFlashModel(nn.Module):
     def __init__(self, config: DFlashConfig, target_embed: nn.Embedding, target_head: nn.Module):
@@ -99,6 +124,7 @@ class DFlashModel(nn.Module):
         self.rope: RopeTable | None = None
         self.draft_head: nn.Linear | None = None  # a reduced draft vocabulary's own rows (use_draft_vocabulary)
         self.draft_to_target: torch.Tensor | None = None  # [Vd] long: the target id of each draft-head row
+        self.fixed_attend = None  # the compiled fixed-order attention, where it makes blocks batch-invariant
 
     def use_draft_vocabulary(self, ids: torch.Tensor, head: nn.Linear) -> None:
         """Draft over the target ids `ids` [Vd] only, through `head` (their output rows); other tokens get -inf,
@@ -148,11 +174,42 @@ class DFlashModel(nn.Module):
             x = layer(x, cos, sin, cache.keys[index, :, :, :used], cache.values[index, :, :, :used], mask)
         return self.norm(x)
 
+    def blocks_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """As block_hidden for N sequences in one forward, each block over its own cache, through the fixed-order
+        attention (needs `fixed_attend`; each cache needs room for a block after its context): tokens, positions
+        [N, B] -> [N, B, H], each block's rows bitwise what they are alone."""
+        count, size = tokens.shape
+        x = self.embed_block(tokens.reshape(-1)).view(count, size, -1)  # [N, B, H]
+        cos, sin = self.rope.lookup(positions)  # [N, 1, B, D/2] each
+        seen = max(cache.lengths[0] for cache in caches) + size  # S: the longest context and its block
+        masks: dict[tuple, torch.Tensor] = {}  # layers attending alike share one mask
+        for index, layer in enumerate(self.layers):
+            rule = (self.config.causal_layers[index], self.config.windows[index])
+            if rule not in masks:
+                masks[rule] = self._visible_slots(index, caches, positions, seen)
+            x = layer.fixed_order_forward(x, cos, sin, caches, index, masks[rule], self.fixed_attend)
+        return self.norm(x)
+
+    def _visible_slots(self, layer: int, caches: list[KVCache], positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """[N, 1, B, S] bool: what each block's slots see of its cache in layer `layer` (its context, then its
+        block), False past them."""
+        visible = torch.zeros(positions.shape[0], 1, positions.shape[1], seen, dtype=torch.bool,
+                              device=positions.device)  # [N, 1, B, S]
+        for n, cache in enumerate(caches):
+            used = cache.lengths[0]
+            own = self._mask(layer, cache.positions[0, :used], positions[n])  # [B, C+B] or None
+            visible[n, 0, :, : used + positions.shape[1]] = True if own is None else own
+        return visible
+
+    @property
+    def output_head(self) -> nn.Module:
+        """The layer the drafts' logits come from: the target's head, or the draft vocabulary's rows."""
+        return self._shared["head"] if self.draft_head is None else self.draft_head
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] after the output norm -> logits [N, V] float32 through the target's head (or the draft
         vocabulary's rows, -inf elsewhere)."""
-        head = self._shared["head"] if self.draft_head is None else self.draft_head
-        logits = head(hidden).float() * self.config.output_multiplier  # [N, V or Vd]
+        logits = self.output_head(hidden).float() * self.config.output_multiplier  # [N, V or Vd]
         if self.config.logit_softcap:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         if self.draft_to_target is None:
