@@ -262,10 +262,11 @@ def test_load_bench_without_a_server_is_one_clear_error(tmp_path, capsys):
     assert "--concurrency loads servers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("options", [{}, {"draft_p_min": 0.3}])
-def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_engine, monkeypatch, options):
+@pytest.mark.parametrize("options, combine", [({}, "first"), ({"draft_p_min": 0.3}, "first"), ({}, "best")])
+def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_engine, monkeypatch, options, combine):
     """Catch-up and each drafted position run once for every sequence drafting (not once per sequence), and the
-    chains are what each drafts alone, so outputs stay equal (greedy here; seeded sampling above)."""
+    chains are what each drafts alone, so outputs stay equal (greedy here; seeded sampling above). With per-step
+    choice (`auto`'s rule) too: the requests that chose the draft model draft together."""
     monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     draft_model = w4a8_engine.draft.model
     batches = []
@@ -275,7 +276,11 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
         batches.append(tokens.shape[0])
         return forward(tokens, *args, **kwargs)
 
-    spec = SpecConfig("ngram,draft", num_draft_tokens=3, options=options)
+    spec = SpecConfig("ngram,draft", num_draft_tokens=3, options=options, combine=combine, guard=False)
+    if combine == "best":  # the choice rests on timings: here the draft model always promises the most
+        chooser = w4a8_engine.drafter(spec).chooser
+        monkeypatch.setattr(chooser, "promise", lambda member, *args: float("inf") if member == "draft" else 0.0)
+        monkeypatch.setattr(chooser, "needs_evidence", lambda member: False)
     requests = [(p, SamplingParams(max_tokens=20, ignore_eos=True), spec) for p in PROMPTS]
     alone = [w4a8_engine.complete(*request).token_ids for request in requests]
     monkeypatch.setattr(draft_model, "forward", recording)

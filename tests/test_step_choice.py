@@ -177,6 +177,48 @@ def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_afte
         chain.commit(seq, VerifyResult([], [1], proposal.source), None)
 
 
+class Batching(Scripted):
+    """A Scripted member whose forwards batch: one propose_many for all its requests, at the cost of one; it
+    has nothing to propose for the requests in `empty_for` (by object)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches: list[int] = []  # requests per propose_many call
+        self.empty_for: list = []
+
+    def propose_many(self, seqs, budgets):
+        self.batches.append(len(seqs))
+        self.clock.now += self.seconds_per_token * max(budgets)
+        return [DraftProposal.empty(self.name) if any(seq is e for e in self.empty_for)
+                else DraftProposal.chain([1] * budget, source=self.name) for seq, budget in zip(seqs, budgets)]
+
+
+def test_in_a_batch_the_requests_choosing_one_model_member_draft_together():
+    """Each request ranks the members as alone; those whose choice is one sampling member are asked in one
+    propose_many, and one it leaves without a proposal goes on to its next choice."""
+    clock = FakeClock()
+    first = Batching("first", clock, 0.01, 0.9, samples=True)
+    second = Batching("second", clock, 0.02, 0.6, samples=True)
+    chain = ChainDrafter([first, second], "best")
+    chain.clock = clock
+    seqs = [SimpleNamespace(drafter_state={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64), generated=0)
+            for _ in range(4)]
+    for seq in seqs:
+        chain.start(seq, None)
+    first.empty_for = [seqs[2]]
+    for _ in range(3):  # what each member is worth, learnt one request at a time
+        for seq in seqs[:2]:
+            proposal = chain.propose(seq, 4)
+            clock.now += VERIFY_SECONDS
+            chain.commit(seq, VerifyResult([1] * 3, [1] * 4, proposal.source), None)
+    first.batches.clear()
+    proposals = chain.propose_many(seqs, [4, 4, 4, 0])
+    assert first.batches == [3], "the three requests asked for tokens draft in one call"
+    assert second.batches[-1] == 1, "the request the first choice left empty was asked next, alone"
+    assert [p.source for p in proposals[:3]] == ["first", "first", "second"]
+    assert proposals[3].size == 0 and "chain" not in seqs[3].drafter_state
+
+
 def test_estimates():
     estimate = MemberEstimate()
     assert estimate.acceptance(0) == PRIOR_ACCEPTANCE

@@ -55,15 +55,14 @@ class ChainDrafter(Drafter):
                 if proposal.size:
                     return proposal
             return DraftProposal.empty(self.members[-1].name)
-        proposal = self._best(seq, budget)
-        seq.drafter_state[self.name] = (self.clock(), proposal_depth(proposal), proposal.size)
-        return proposal
+        return self._best_many([seq], [budget])[0]
 
     def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """First wins, member by member over the whole batch, so that a member whose forwards batch (the draft
-        model) drafts for every request the earlier members left without a proposal at once."""
+        model) drafts for every request the earlier members left without a proposal at once. Best: each request
+        chooses its member as alone, and the requests that chose one model member draft together."""
         if self.chooser is not None:
-            return super().propose_many(seqs, budgets)
+            return self.proposals_for_asked(seqs, budgets, self._best_many)
         proposals = [DraftProposal.empty(self.members[-1].name) for _ in seqs]
         waiting = [i for i, budget in enumerate(budgets) if budget > 0]
         for member in self.members:
@@ -76,29 +75,62 @@ class ChainDrafter(Drafter):
             waiting = [i for i, proposal in zip(waiting, offered) if not proposal.size]
         return proposals
 
-    def _best(self, seq: Sequence, budget: int) -> DraftProposal:
+    def _best_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Each request's best member (`_ranked`); the requests whose choice is the same sampling member are asked
+        together, and one whose choice proposes nothing goes on down its own ranking."""
+        proposals: list[DraftProposal | None] = [None] * len(seqs)
+        rankings: dict[int, list[tuple[float, Drafter, DraftProposal | None]]] = {}
+        for i, (seq, budget) in enumerate(zip(seqs, budgets)):
+            proposals[i], ranking = self._ranked(seq, budget)
+            if proposals[i] is None:
+                rankings[i] = ranking
+        plain = self.chooser.plain_promise()
+        while rankings:
+            asks: dict[str, list[int]] = {}  # member name -> the requests whose best untried choice it is
+            for i, ranking in list(rankings.items()):
+                if ranking and ranking[0][0] >= plain and ranking[0][2] is None:
+                    asks.setdefault(ranking[0][1].name, []).append(i)
+                    continue
+                if not ranking:
+                    proposals[i] = DraftProposal.empty(self.members[-1].name)
+                elif ranking[0][0] < plain:
+                    proposals[i] = DraftProposal.empty(self.members[-1].name, withheld="chooser_plain")
+                else:
+                    proposals[i] = ranking[0][2]  # a lookup's proposal, made while ranking
+                del rankings[i]
+            for group in asks.values():
+                member = rankings[group[0]][0][1]
+                for i, proposal in zip(group, self._timed_propose_many(member, [seqs[i] for i in group],
+                                                                        [budgets[i] for i in group])):
+                    if proposal.size:
+                        proposals[i] = proposal
+                        del rankings[i]
+                    else:
+                        rankings[i].pop(0)
+        stamp = self.clock()  # the verify forward starts after every proposal of the step
+        for seq, proposal in zip(seqs, proposals):
+            seq.drafter_state[self.name] = (stamp, proposal_depth(proposal), proposal.size)
+        return proposals
+
+    def _ranked(self, seq: Sequence, budget: int
+                ) -> tuple[DraftProposal | None, list[tuple[float, Drafter, DraftProposal | None]]]:
         """Deterministic members propose now (judged on their proposal); sampling members are judged on their
-        estimates and asked only if chosen, so their random drafts never influence whether they are used."""
-        candidates = []  # (promise in tokens/s, member, its proposal or None = not asked yet)
+        estimates and asked only if chosen, so their random drafts never influence whether they are used.
+        -> (a lookup's proposal to use outright, or None; the candidates by promise in tokens/s, best first,
+        each with its proposal or None = not asked yet)."""
+        candidates = []
         for member in self.members:
             if member.caps.emits_probs:
                 seconds = self.chooser.drafting_seconds(member.name, budget) + self._start_share(member, seq, budget)
                 candidates.append((self.chooser.promise(member.name, budget, budget, seconds), member, None))
                 continue
-            proposal = self._timed_propose(member, seq, budget)
+            proposal = self._timed_propose_many(member, [seq], [budget])[0]
             if proposal.size:
                 if self.chooser.needs_evidence(member.name):
-                    return proposal  # free to make: learn what it is worth (step_choice.py)
+                    return proposal, []  # free to make: learn what it is worth (step_choice.py)
                 promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
                 candidates.append((promise, member, proposal))
-        plain = self.chooser.plain_promise()
-        for promise, member, proposal in sorted(candidates, key=lambda c: -c[0]):
-            if promise < plain:
-                return DraftProposal.empty(self.members[-1].name, withheld="chooser_plain")
-            proposal = proposal if proposal is not None else self._timed_propose(member, seq, budget)
-            if proposal.size:
-                return proposal
-        return DraftProposal.empty(self.members[-1].name)
+        return None, sorted(candidates, key=lambda c: -c[0])
 
     def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a deferred member's first catch-up charged to a step drafting `budget` tokens: the
@@ -109,19 +141,28 @@ class ChainDrafter(Drafter):
         share = min(1.0, (budget + 1) / left)
         return share * self.chooser.start_seconds(member.name, member.pending_tokens(seq))
 
-    def _timed_propose(self, member: Drafter, seq: Sequence, budget: int) -> DraftProposal:
-        deferred = seq.drafter_state.get(DEFERRED, ())
-        starting = member.name in deferred
-        context = member.pending_tokens(seq) if starting else 0
-        began = self.clock()
-        proposal = member.propose(seq, budget)
-        seconds = self.clock() - began
-        if starting:
+    def _timed_propose_many(self, member: Drafter, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """member's proposals, timed into the chooser's estimates: a request where the member starts late (its
+        first catch-up, timed apart) alone, the others in one propose_many."""
+        proposals: list[DraftProposal | None] = [None] * len(seqs)
+        going = []
+        for i, seq in enumerate(seqs):
+            deferred = seq.drafter_state.get(DEFERRED, set())
+            if member.name not in deferred:
+                going.append(i)
+                continue
+            context = member.pending_tokens(seq)
+            began = self.clock()
+            proposals[i] = member.propose(seq, budgets[i])
             deferred.remove(member.name)
-            self.chooser.record_start(member.name, seconds, context, proposal.size)
-        else:
-            self.chooser.record_drafting(member.name, seconds, proposal.size)
-        return proposal
+            self.chooser.record_start(member.name, self.clock() - began, context, proposals[i].size)
+        if going:
+            began = self.clock()
+            offered = member.propose_many([seqs[i] for i in going], [budgets[i] for i in going])
+            self.chooser.record_drafting(member.name, self.clock() - began, sum(p.size for p in offered))
+            for i, proposal in zip(going, offered):
+                proposals[i] = proposal
+        return proposals
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         if self.chooser is not None:
