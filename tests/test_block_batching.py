@@ -4,6 +4,8 @@ lengths) share its forward, and each request of a batched step drafts exactly wh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from batched_runs import drafts_in_shared_forwards
@@ -11,8 +13,9 @@ from conftest import save_tiny_model
 from dflash_drafters import write_random_dflash, write_random_dspark
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models.formats.dflash_checkpoint import load_dflash
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+from specdecode.models.quant.w4a8_linear import load_kernel, w4a8_unavailable
 
 WRITERS = {"dflash": write_random_dflash, "dspark": write_random_dspark}
 
@@ -60,6 +63,26 @@ def test_a_block_keeps_its_bits_beside_blocks_over_other_contexts(engine):
     for n in range(2):
         assert torch.equal(together[n], alone[n][0])
     assert [cache.lengths[0] for cache in caches] == [5, 19], "a block's keys must stay out of the context"
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 3), (True, 3)])
+def test_the_fixed_order_attention_computes_what_the_pytorch_one_does(target_folder, tmp_path, causal, window):
+    """The kernel's visibility (the whole context, then the block: non-causal, causal or in a sliding window) is
+    the PyTorch path's, which test_dflash.py checks against the authors' code: float32, within rounding."""
+    target = load_model(target_folder, dtype="float32")
+    model, _ = load_dflash(write_random_dflash(tmp_path / "drafter", target), target.model, 64)
+    model.config = replace(model.config, causal_layers=(causal,), windows=(window,))
+    model.fixed_attend = load_kernel().attend
+    generator = torch.Generator().manual_seed(1)
+    cache = model.new_cache(32)
+    size = model.config.block_size
+    with torch.inference_mode():
+        model.add_context(torch.randn(9, model.fc.in_features, generator=generator), torch.arange(9), cache)
+        tokens = torch.tensor([17] + [model.config.mask_token_id] * (size - 1))  # [B]
+        positions = torch.arange(9, 9 + size)  # [B]
+        expected = model.block_hidden(tokens, positions, cache)  # [B, H]
+        fixed = model.blocks_hidden(tokens[None], positions[None], [cache])[0]  # [B, H]
+    assert torch.allclose(fixed, expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
