@@ -11,8 +11,9 @@ takes the next prompt. Decoding time is the steps' time; each request's prefill 
 and is reported apart. N = 1 is also what interleaving (`--batching off`) reaches at any load: one request's
 step at a time. Every output is checked equal to the request decoded alone. A method written `METHOD/one-by-one`
 runs with its drafter proposing for one request at a time (the protocol's default `propose_many`), which is what
-shared drafting forwards save against. Each (method, slots) run starts with empty suffix caches: the same prompts
-run again, and a cache holding their earlier answers would draft them whole.
+shared drafting forwards save against. Each (method, slots) run has a fresh Engine over the same loaded models, so
+nothing learnt in an earlier run carries over: not the speed guard's or the load budget's estimates, and above
+all not suffix decoding's cache, which would hold the same prompts' earlier answers and draft them whole.
 
 `--forward-costs` instead times one target forward of B sequences x 1 new row each (600 cached tokens apiece,
 median of 5) for B = 1, 2, 4, 8, 16: what a plain batched step costs by batch size.
@@ -37,7 +38,6 @@ from plain_vs_llamacpp import spec_for  # noqa: E402 - "auto" as generate resolv
 from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
 from specdecode.bench.datasets import load_questions  # noqa: E402
 from specdecode.drafters.base import Drafter  # noqa: E402
-from specdecode.drafters.suffix import ResponseCache, SuffixDrafter  # noqa: E402
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specdecode.models.kv_cache import CacheBatch  # noqa: E402
 from specdecode.models.loader import load_model  # noqa: E402
@@ -74,13 +74,6 @@ def one_by_one(drafter: Drafter, wanted: bool):
     finally:
         for each in drafters:
             del each.propose_many
-
-
-def forget_responses(drafter: Drafter) -> None:
-    """Empty the cross-request response caches of `drafter` and a chain's members (suffix decoding's)."""
-    for each in [drafter, *getattr(drafter, "members", [])]:
-        if isinstance(each, SuffixDrafter):
-            each.cache = ResponseCache(each.options.suffix_cache_requests)
 
 
 @torch.inference_mode()
@@ -131,9 +124,9 @@ def main() -> None:
         spec = spec_for(name)
         alone = None
         for slots in [int(n) for n in args.slots.split(",")]:
-            forget_responses(engine.drafter(spec))
-            with one_by_one(engine.drafter(spec), mode == "one-by-one"):
-                outputs, decode, prefill = run_slots(engine, prompts, sampling, spec, slots)
+            fresh = Engine(engine.target, engine.draft, draft_path=heads, draft_quant=args.draft_quant)
+            with one_by_one(fresh.drafter(spec), mode == "one-by-one"):
+                outputs, decode, prefill = run_slots(fresh, prompts, sampling, spec, slots)
             tokens = sum(len(ids) - 1 for ids in outputs)  # the first token of each comes from its prefill
             rate = tokens / decode
             alone = alone or (outputs, rate)
