@@ -60,12 +60,12 @@ def fix_dflash_attention(model: DFlashModel) -> bool:
     every matmul of its layers and of the head its drafting slots go through w4a8, the kernel able to read its
     cache -> whether it now has it. (fc fuses each request's own target rows at commit, never batched, and
     DSpark's Markov and confidence heads run per request, so their kinds do not matter.)"""
-    linears = [model.output_head] + [linear for layer in model.layers
-                        for linear in (layer.q, layer.kv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
-    config = model.config.layer
-    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+    layers = [linear for layer in model.layers
+              for linear in (layer.q, layer.kv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+    if not all(isinstance(linear, W4A8Linear) for linear in [model.output_head, *layers]):
         return False
-    if model.dtype not in (torch.float32, torch.bfloat16) or config.head_dim % 16 or w4a8_unavailable() is not None:
+    head_dim = model.config.layer.head_dim
+    if model.dtype not in (torch.float32, torch.bfloat16) or head_dim % 16 or w4a8_unavailable() is not None:
         return False
     model.fixed_attend = load_kernel().attend
     return True
