@@ -14,7 +14,7 @@ from specdecode.models.float_decoder import FloatDecoderLayer, fixed_order_atten
 from specdecode.models.mtp import MTPModule
 from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
-from specdecode.models.transformer import Attention, Transformer
+from specdecode.models.transformer import Transformer
 
 
 def batch_invariant(model: Transformer) -> bool:
@@ -37,7 +37,7 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
         module.proj, module.block.attn.qkv, module.block.attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
         return None
-    if not _kernel_reads(cache_dtype, modules[0].block.attn):
+    if not _kernel_reads(cache_dtype, modules[0].block.attn.head_dim):
         return None
     attend = load_kernel().attend
     return nn.ModuleList(MTPModule.sharing(module, FloatDecoderLayer(module.block, attend)) for module in modules)
@@ -49,7 +49,9 @@ def fix_eagle3_attention(head: Eagle3Head) -> bool:
     (fc fuses each request's own target rows at commit, never batched, so its kind does not matter.)"""
     layer = head.layer
     linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down, head.output_head)
-    if not all(isinstance(linear, W4A8Linear) for linear in linears) or not _kernel_reads(head.dtype, layer.attn):
+    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+        return False
+    if not _kernel_reads(head.dtype, layer.attn.head_dim):
         return False
     layer.fixed_attention = partial(fixed_order_attention, layer.attn, load_kernel().attend)
     return True
@@ -64,13 +66,12 @@ def fix_dflash_attention(model: DFlashModel) -> bool:
               for linear in (layer.q, layer.kv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in [model.output_head, *layers]):
         return False
-    head_dim = model.config.layer.head_dim
-    if model.dtype not in (torch.float32, torch.bfloat16) or head_dim % 16 or w4a8_unavailable() is not None:
+    if not _kernel_reads(model.dtype, model.config.layer.head_dim):
         return False
     model.fixed_attend = load_kernel().attend
     return True
 
 
-def _kernel_reads(cache_dtype: torch.dtype, attn: Attention) -> bool:
-    """Whether the fixed-order attention kernel runs here over a cache of this dtype and attn's head size."""
-    return cache_dtype in (torch.float32, torch.bfloat16) and attn.head_dim % 16 == 0 and w4a8_unavailable() is None
+def _kernel_reads(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the fixed-order attention kernel runs here over a cache of this dtype and head size."""
+    return cache_dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and w4a8_unavailable() is None
