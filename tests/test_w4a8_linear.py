@@ -113,6 +113,22 @@ def test_each_variant_equals_a_float64_reference(isa):
         assert ours[0].abs().sum() > 0  # a row with a group of zeros still sums its other groups
 
 
+@pytest.mark.parametrize("isa", each_variant())
+def test_integer_sums_at_their_largest_stay_exact(isa):
+    # Every code 15 and every activation +-127: AVX2 adds a group's products in int16 (vpmaddubsw), at most
+    # 16 * 15 * 127 = 30480 there, in every row count's path; saturating or wrapping would be far off.
+    kernel = w4a8_linear.load_variant(isa)
+    layer, _ = layer_and_weight(32, 512, seed=7)
+    layer.codes.fill_(0xFF)
+    weight = unpacked_weight(layer).double()  # [N, K]
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0])  # [M]
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        x = signs[:rows, None].expand(rows, 512).contiguous()  # [M, K]: each group quantizes to +-127
+        expected = x.double() @ weight.t()  # [M, N]
+        ours = kernel.w4a8_mm(x, layer.codes, layer.group_scales, layer.block_scales).double()
+        assert ((ours - expected).abs() <= 2**-18 * (x.double().abs() @ weight.abs().t())).all(), (isa, rows)
+
+
 @pytest.mark.parametrize("first, second", [("avx512", "avx2"), ("avx512", "avx_vnni"), ("avx_vnni", "avx2")])
 def test_variants_give_the_same_bits(first, second):
     flags = w4a8_linear._cpu_flags()

@@ -114,11 +114,83 @@ static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, c
   }
 }
 
+#ifdef W4A8_INT16_PAIRS
+// tile_rows for 2 to kRowsPerPass rows on AVX2 without VNNI, with the same sums in the same order. There the
+// multiplies bound the kernel from 2 rows on, and tile_rows spent as many again on issuing them: it walks the
+// tile's two halves apart, so each activation quad is broadcast twice, and its 8 unpacked code registers with
+// the rows' accumulators overflow AVX2's 16 registers. Here one walk takes both halves, a quad's codes are
+// unpacked once and used by every row, and the rows' int16 pair sums stay in registers (2 per row; the float
+// accumulators go to memory, touched once per group).
+template <int MB>
+static void tile_rows_paired(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
+                             const float* d, const float* dsum, int64_t K, int64_t N, const float* bias,
+                             float* out) {
+  const int64_t G = K / 32;
+  V acc[MB][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = vset1(0.f);
+  V scale_unit[2], offset_unit[2];
+  for (int64_t g = 0; g < G; ++g) {
+    if (g % 8 == 0) {
+      for (int h = 0; h < 2; ++h) {
+        scale_unit[h] = vfrom_bf16(bs + g / 8 * 32 + h * kLanes);
+        offset_unit[h] = vfrom_bf16(bs + g / 8 * 32 + 16 + h * kLanes);
+      }
+    }
+    const uint8_t* ahead = w + (g + kPrefetchGroups) * 256;
+    for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
+    const uint8_t* block = w + g * 256;
+    VP pairs[MB][2];
+    // Quad j's codes: run j % 4, low nibbles for j < 4 (inputs 4j..4j+3), high for the rest (inputs 16 on);
+    // bytes 0-31 of a run are the tile's rows 0-7, bytes 32-63 rows 8-15.
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      VI codes[2];
+      for (int h = 0; h < 2; ++h) {
+        const VI run = vload_codes(block + 64 * (j % 4) + 32 * h);
+        codes[h] = j < 4 ? vlow_nibbles(run) : vhigh_nibbles(run);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MB; ++i) {
+        for (int h = 0; h < 2; ++h) {
+          const VP step = vpairs(codes[h], q + i * K + g * 32 + 4 * j);
+          pairs[i][h] = j == 0 ? step : vpairs_add(pairs[i][h], step);
+          // Held in a register here: GCC otherwise stored every step to the stack and added them all at the end.
+          asm("" : "+x"(pairs[i][h]));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const V sv = vmul(vfrom_u8(gs + g * 32 + h * kLanes), scale_unit[h]);
+      const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + h * kLanes), offset_unit[h]);
+#pragma GCC unroll 16
+      for (int i = 0; i < MB; ++i) {
+        const V dot = vfloat(vpairs_sum(pairs[i][h]));
+        acc[i][h] = vfmadd(dot, vmul(sv, vset1(d[i * G + g])), acc[i][h]);
+        acc[i][h] = vfmadd(zv, vset1(dsum[i * G + g]), acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      vstore(out + i * N + h * kLanes, bias ? vadd(acc[i][h], vload(bias + h * kLanes)) : acc[i][h]);
+    }
+  }
+}
+#endif
+
 // tile_rows<rows> for a rows in [1, MB] known at run time.
 template <int MB>
 static void tile_rows_up_to(int rows, const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
                             const float* d, const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   if (rows == MB) {
+#ifdef W4A8_INT16_PAIRS
+    if constexpr (MB > 1) {
+      tile_rows_paired<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
+      return;
+    }
+#endif
     tile_rows<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
   } else if constexpr (MB > 1) {
     tile_rows_up_to<MB - 1>(rows, w, gs, bs, q, d, dsum, K, N, bias, out);

@@ -249,6 +249,15 @@ inline VI vdot32(const VI codes[8], const int8_t* a) {
   }
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
+// The same steps one quad at a time, for w4a8_core.cpp's paired tile (several rows against both halves of a tile,
+// each activation quad broadcast once for both): VP holds 16 int16 sums of pairs, exact for the reason above.
+#define W4A8_INT16_PAIRS 1
+using VP = __m256i;
+inline VP vpairs(VI codes, const int8_t* quad) {  // codes' 4 bytes per lane times the 4 activations, in pairs
+  return _mm256_maddubs_epi16(codes, _mm256_set1_epi32(*(const int32_t*)quad));
+}
+inline VP vpairs_add(VP a, VP b) { return _mm256_add_epi16(a, b); }
+inline VI vpairs_sum(VP a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // each lane's two pairs
 #endif
 #endif
 
