@@ -105,11 +105,14 @@ def main() -> None:
     parser.add_argument("--slots", default="1,2,4,8,16")
     parser.add_argument("--forward-costs", action="store_true", help="time plain batched forwards instead")
     parser.add_argument("--draft-head", help="METHOD=PATH,...: the weights of eagle3, mtp (a companion file) ...")
-    parser.add_argument("--draft-quant", default="w4a8", help="what those drafters' own weights run as")
+    parser.add_argument("--draft-quant", default="w4a8",
+                        help="what the draft model's and those drafters' own weights run as")
     args = parser.parse_args()
     heads = dict(item.split("=", 1) for item in args.draft_head.split(",")) if args.draft_head else None
     engine = Engine(load_model(DEFAULT_TARGET, quiet=True, quant="auto"),
-                    load_model(DEFAULT_DRAFT, quiet=True, quant="auto"),  # w4a8 on a CPU with the kernel
+                    # As the command line's --draft-quant auto: the default draft's GGUF is mostly Q5_0 (rows of
+                    # 896 do not split into Q4_K's 256), which load_model's quant="auto" keeps in float.
+                    load_model(DEFAULT_DRAFT, quiet=True, quant=args.draft_quant),
                     draft_path=heads, draft_quant=args.draft_quant)
     if args.forward_costs:
         forward_costs(engine)

@@ -11,7 +11,9 @@ new/old, mean accepted length, and whether every output was identical between th
     git worktree add /tmp/old <commit>
     python docs/benchmarks/same_run_ab.py --old /tmp/old --quant int4 --draft-quant int4 --prompts 8
 
-Prompts: the first N of ../shared/data/humaneval/humaneval_specbench_format.jsonl (natural end of turn, greedy).
+Prompts: the first N of --dataset (default ../shared/data/humaneval/humaneval_specbench_format.jsonl; each
+question's first turn), natural end of turn, greedy. Each worker compiles the w4a8 kernel from its own checkout
+into its own extensions folder (TORCH_EXTENSIONS_DIR), so that the two builds never overwrite each other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from statistics import mean
 
@@ -43,8 +46,9 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"token_ids": result.token_ids, "stats": result.stats.to_dict()}), flush=True)
 
 
-def start_worker(checkout: Path, args: argparse.Namespace) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+def start_worker(side: str, checkout: Path, args: argparse.Namespace) -> subprocess.Popen:
+    extensions = Path(tempfile.gettempdir()) / f"same_run_ab-extensions-{side}-{os.getpid()}"
+    env = {**os.environ, "PYTHONPATH": str(checkout), "TORCH_EXTENSIONS_DIR": str(extensions)}
     command = [sys.executable, __file__, "--worker", "--dtype", args.dtype, "--quant", args.quant,
                "--draft-quant", args.draft_quant]
     process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--new", type=Path, default=ROOT)
     parser.add_argument("--methods", default="none,ngram,draft,ngram+draft", help="'+' chains methods")
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--dataset", type=Path, default=DATA, help="Spec-Bench jsonl; each first turn a prompt")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
@@ -74,9 +79,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    prompts = [json.loads(line)["turns"][0] for line in DATA.read_text().splitlines()[: args.prompts]]
+    prompts = [json.loads(line)["turns"][0] for line in args.dataset.read_text().splitlines()[: args.prompts]]
     methods = [m.replace("+", ",") for m in args.methods.split(",")]
-    workers = {"old": start_worker(args.old, args), "new": start_worker(args.new, args)}
+    workers = {side: start_worker(side, checkout, args) for side, checkout in (("old", args.old), ("new", args.new))}
     for process in workers.values():  # warm-up: first-call costs are not timed
         ask(process, {"prompt": prompts[0], "method": "ngram,draft", "k": args.k, "max_tokens": 8})
     runs: dict[tuple[str, str], list[dict]] = {(m, side): [] for m in methods for side in workers}
