@@ -22,13 +22,22 @@ Acceptance is learnt from every step that drafted, alone or batched. A new reque
 has shown on earlier requests (worth a few positions), not from nothing; and while plain batching wins by a
 small margin, one step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under
 other conditions (an early guess, another prompt) get the chance to change the verdict.
+
+A draft model that has not drafted for a while (a request that started under load, or `auto` deferring it until
+first chosen) must first read every token it missed: a catch-up that cost a batch of 4 requests 5 s in one step
+(docs/benchmarks, 2026-12-03 AVX2). A step in which some requests caught up is learnt apart, per method, as
+seconds per token caught up (its whole drafting time over the tokens read: a drafter's time is shared among the
+requests it drafted for, so no one request's share would tell), and a step that would catch up is charged its
+share of that, (k + 1) / tokens left of the request (the catch-up serves the request's later steps too; per-step
+choice charges a deferred start the same way). Until one catch-up has been measured it is taken as free, so that
+it gets tried once and measured.
 """
 
 from __future__ import annotations
 
 import bisect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.spec_types import Sequence
 
@@ -37,6 +46,9 @@ PRIOR_TRIED = 4.0  # a new request's acceptance starts at its method's so far, w
 FIRST_ACCEPTANCE = 0.5  # a method's acceptance before any request of it drafted
 PROBE_EVERY = 16  # plain batched steps between two that draft anyway
 PROBE_MARGIN = 0.8  # ... when drafting's expected rate is at least this share of plain batching's
+# A drafter with more committed tokens than this to read first is catching up. Above PROBE_EVERY plus a draft: a
+# probe after a run of plain steps reads what they committed, and that is part of what a probe costs.
+CATCH_UP_TOKENS = 32
 
 
 @dataclass
@@ -44,23 +56,38 @@ class _Estimate:
     accepted: float  # drafted positions the target accepted
     tried: float  # drafted positions verified, up to and including the first rejection
     draft_seconds_per_token: float | None = None  # None: never drafted yet
+    pending: int = 0  # tokens its drafter had to read first, as of the batched step being decided (0 after it)
+    catch_up_seconds_per_token: float | None = None  # per method only: None until a catch-up was timed
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.tried
 
 
+@dataclass
+class _StepDrafting:
+    """One step's drafting by the requests of one method, sorted out when the step ends (`end_step`)."""
+
+    seconds: float = 0.0  # every drafting request's share of its drafter's time
+    usual: float = 0.0  # what their drafting costs when no one catches up
+    caught_up: int = 0  # tokens read by the requests that caught up
+    per_token: list[tuple[_Estimate, float]] = field(default_factory=list)  # (request, its seconds per drafted token)
+
+
 class BatchDraftBudget:
-    """One Engine's estimates; `draft_cap` before a batched step, `observe_*` after it."""
+    """One Engine's estimates; `draft_cap` before a batched step, `observe_*` and `end_step` after it."""
 
     def __init__(self) -> None:
         self.forward_seconds: dict[int, float] = {}  # rows -> running mean of a forward's seconds
         self._sequences: weakref.WeakKeyDictionary[Sequence, _Estimate] = weakref.WeakKeyDictionary()
         self._methods: dict[str, _Estimate] = {}  # every request of a method together
         self.plain_steps = 0  # batched steps in a row that drafted nothing
+        self._step: dict[str, _StepDrafting] = {}  # method -> this step's drafting, until end_step
 
     def draft_cap(self, seqs: list[Sequence], wanted: list[int]) -> int:
         """The draft length every sequence of this batched step is held to (0: plain batching)."""
+        for seq in seqs:
+            self._estimate(seq).pending = seq.drafter.pending_tokens(seq)
         rates = [self._rate(seqs, wanted, k) for k in range(max(wanted, default=0) + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties keep the shorter draft
         if best == 0 and len(rates) > 1:
@@ -82,9 +109,18 @@ class BatchDraftBudget:
         for seq, a in zip(seqs, allowed):
             estimate = self._estimate(seq)
             tokens += sum(estimate.acceptance ** j for j in range(a + 1))
-            drafting += a * (estimate.draft_seconds_per_token or 0.0)
+            drafting += a * (estimate.draft_seconds_per_token or 0.0) + (self._catch_up_share(seq, a) if a else 0.0)
         seconds = self.forward_estimate(rows) + drafting
         return tokens / seconds if seconds > 0 else float("inf")
+
+    def _catch_up_share(self, seq: Sequence, k: int) -> float:
+        """Seconds of the sequence's pending catch-up charged to a step drafting k tokens (0 when not behind)."""
+        pending = self._estimate(seq).pending
+        if pending <= CATCH_UP_TOKENS:
+            return 0.0
+        left = max(1, seq.sampling.max_tokens - seq.generated)
+        per_token = self._method(seq).catch_up_seconds_per_token or 0.0
+        return min(1.0, (k + 1) / left) * pending * per_token
 
     def forward_estimate(self, rows: int) -> float:
         """Seconds of a target forward over `rows` rows, from the measured ones (0 before any)."""
@@ -107,22 +143,43 @@ class BatchDraftBudget:
         return self.forward_seconds[low] + share * (self.forward_seconds[high] - self.forward_seconds[low])
 
     def observe_forward(self, rows: int, seconds: float) -> None:
-        known = self.forward_seconds.get(rows)
-        self.forward_seconds[rows] = seconds if known is None else known + SMOOTHING * (seconds - known)
+        self.forward_seconds[rows] = _smoothed(self.forward_seconds.get(rows), seconds)
 
     def observe_sequence(self, seq: Sequence, budget: int, accepted: int, draft_seconds: float) -> None:
         """After a step (alone or batched) that let `seq` draft `budget` tokens, `accepted` of which the target
         kept. A proposal shorter than its budget (or none) counts as a rejection at its end: what the drafter
         failed to offer."""
+        estimate = self._estimate(seq)
+        pending, estimate.pending = estimate.pending, 0
         if budget == 0:
             return
         tried = accepted + (1 if accepted < budget else 0)
-        for estimate in (self._estimate(seq), self._method(seq)):
-            estimate.accepted += accepted
-            estimate.tried += tried
-        estimate = self._estimate(seq)
-        per_token, known = draft_seconds / budget, estimate.draft_seconds_per_token
-        estimate.draft_seconds_per_token = per_token if known is None else known + SMOOTHING * (per_token - known)
+        for each in (estimate, self._method(seq)):
+            each.accepted += accepted
+            each.tried += tried
+        step = self._step.setdefault(seq.spec.method, _StepDrafting())
+        step.seconds += draft_seconds
+        step.usual += budget * (estimate.draft_seconds_per_token or 0.0)
+        # Tokens its drafter read this step: what it was behind, plus what the step committed, less what is left.
+        read = pending + accepted + 1 - seq.drafter.pending_tokens(seq) if pending > CATCH_UP_TOKENS else 0
+        if read > CATCH_UP_TOKENS:
+            step.caught_up += read
+        else:
+            step.per_token.append((estimate, draft_seconds / budget))
+
+    def end_step(self) -> None:
+        """After a step's `observe_sequence` calls: a method's catch-up cost from a step where some of its requests
+        caught up (their drafting shares then say nothing of drafting's own cost), else each request's drafting
+        cost per token."""
+        for method, step in self._step.items():
+            if step.caught_up:
+                estimate = self._methods[method]
+                estimate.catch_up_seconds_per_token = _smoothed(estimate.catch_up_seconds_per_token,
+                                                                max(0.0, step.seconds - step.usual) / step.caught_up)
+                continue
+            for estimate, per_token in step.per_token:
+                estimate.draft_seconds_per_token = _smoothed(estimate.draft_seconds_per_token, per_token)
+        self._step.clear()
 
     def _method(self, seq: Sequence) -> _Estimate:
         if seq.spec.method not in self._methods:
@@ -133,3 +190,8 @@ class BatchDraftBudget:
         if seq not in self._sequences:
             self._sequences[seq] = _Estimate(self._method(seq).acceptance * PRIOR_TRIED, PRIOR_TRIED)
         return self._sequences[seq]
+
+
+def _smoothed(known: float | None, newest: float) -> float:
+    """A running estimate after its newest measurement (None: none before, the newest is taken as is)."""
+    return newest if known is None else known + SMOOTHING * (newest - known)

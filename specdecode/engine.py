@@ -232,6 +232,7 @@ class Engine:
             self.batch_budget.observe_sequence(seq, draft.budget, len(tokens) - 1, draft.seconds)
             seq.stats.draft_seconds += draft.seconds
             seq.stats.verify_seconds += ended - proposed  # a batch's forward counts for each of its sequences
+        self.batch_budget.end_step()
         return committed
 
     @staticmethod

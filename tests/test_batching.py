@@ -4,6 +4,8 @@ server's batched scheduler with its KV memory budget."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -118,15 +120,14 @@ def test_pytorch_layers_batched_forward_stacks_the_caches_and_computes_the_same_
 
 
 class Scripted:
-    """A sequence as the budget sees it: its method, and a drafter whose proposals are chains."""
+    """A sequence as the budget sees it: its method, its token budget, and a drafter whose proposals are chains
+    and which has `behind` committed tokens to read before it can propose."""
 
-    class drafter:
-        @staticmethod
-        def max_nodes(k: int) -> int:
-            return k
-
-    def __init__(self, method: str = "scripted"):
+    def __init__(self, method: str = "scripted", behind: int = 0):
         self.spec = SpecConfig(method)
+        self.sampling, self.generated = SamplingParams(max_tokens=128), 0
+        self.behind = behind
+        self.drafter = SimpleNamespace(max_nodes=lambda k: k, pending_tokens=lambda seq: seq.behind)
 
 
 def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: list, draft_seconds: float = 0.0):
@@ -135,6 +136,7 @@ def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: l
     for seq in seqs:  # 100 steps of 4 drafted tokens each, accepted at `acceptance` per position
         for _ in range(100):
             budget.observe_sequence(seq, 4, 0, draft_seconds)
+            budget.end_step()
         budget._estimate(seq).accepted, budget._estimate(seq).tried = acceptance * 100, 100.0
     return budget
 
@@ -182,6 +184,32 @@ def test_budget_probes_while_plain_batching_wins_and_learns_from_every_step():
     newcomer = Scripted("often-right")
     assert budget._estimate(newcomer).acceptance > 0.9 and budget._estimate(Scripted()).acceptance < 0.6
 
+
+
+def test_a_catch_up_is_learnt_apart_and_charged_once_measured():
+    seqs = [Scripted("behind", behind=100) for _ in range(4)]  # e.g. a draft model that started under load
+    memory_bound = {rows: 0.030 + 0.0002 * rows for rows in (4, 8, 12, 16, 20)}
+    budget = trained_budget(memory_bound, 0.7, seqs, draft_seconds=4 * 0.0002)
+    assert budget.draft_cap(seqs, [4] * 4) == 4  # no catch-up measured yet: tried
+    for seq in seqs[:3]:  # three caught up: 100 tokens behind, 4 committed, 1 left to read
+        seq.behind = 1
+    for seq in seqs:  # 4 s of drafting in all, shared among the four as the engine shares a drafter's time
+        budget.observe_sequence(seq, 4, 3, 1.0)
+    budget.end_step()
+    usual = 4 * 4 * 0.0002
+    assert budget._method(seqs[0]).catch_up_seconds_per_token == pytest.approx((4.0 - usual) / (3 * 103))
+    assert budget._estimate(seqs[3]).draft_seconds_per_token == pytest.approx(0.0002)  # not its share of 1 s
+    # Charged (k + 1) / 128 of 1 s each, drafting no longer pays, and no probe pays it either.
+    for seq in seqs:
+        seq.behind = 100
+    assert {budget.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)} == {0}
+    for seq in seqs:  # caught up (within CATCH_UP_TOKENS): the rows are nearly free again
+        seq.behind = 1
+    assert budget.draft_cap(seqs, [4] * 4) == 4
+    # Behind again, but with far more of the request left to draft for: its share of the catch-up is small.
+    for seq in seqs:
+        seq.behind, seq.sampling = 100, SamplingParams(max_tokens=4096)
+    assert budget.draft_cap(seqs, [4] * 4) == 4
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft", "ngram,draft"])
 def test_seeded_sampling_in_a_batch_equals_each_request_alone(w4a8_engine, monkeypatch, method):

@@ -183,6 +183,10 @@ class ChainDrafter(Drafter):
     def max_nodes(self, budget: int) -> int:
         return max(member.max_nodes(budget) for member in self.members)
 
+    def pending_tokens(self, seq: Sequence) -> int:
+        """The most any member has to read first: what a step that falls to that member catches up on."""
+        return max(member.pending_tokens(seq) for member in self.members)
+
     def cache_bytes(self) -> int:
         return sum(member.cache_bytes() for member in self.members)
 
