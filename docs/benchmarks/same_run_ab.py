@@ -107,7 +107,8 @@ def main() -> None:
         summary[method] = {"old": round(old_speed, 3), "new": round(new_speed, 3),
                            "ratio": round(new_speed / old_speed, 4), "mean_accepted_length": round(length, 3),
                            "identical": identical}
-        print(f"{method:14} {old_speed:10.2f} {new_speed:10.2f} {new_speed / old_speed:8.3f} {length:13.2f} {identical}")
+        print(f"{method:14} {old_speed:10.2f} {new_speed:10.2f} {new_speed / old_speed:8.3f} {length:13.2f} "
+              f"{identical}")
     print(json.dumps(summary))
 
 
