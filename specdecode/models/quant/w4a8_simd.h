@@ -238,19 +238,8 @@ inline VI vdot32(const VI codes[8], const int8_t* a) {
 // vpmaddubsw multiplies the unsigned codes by the signed activations and adds pairs into int16, which it
 // would saturate past 32767; but codes are at most 15 and activations at most 127 in size, so a pair is at
 // most 3810 and all 8 pairs of a lane's 16 products at most 30480. The int16 sums are then exact, and one
-// vpmaddwd by ones adds each lane's two pairs into the same int32 vpdpbusd gives. (One chain whatever Chains:
-// the int16 sums are cheap to add.)
-template <int Chains = 2>
-inline VI vdot32(const VI codes[8], const int8_t* a) {
-  const int32_t* quads = (const int32_t*)a;
-  __m256i pairs = _mm256_maddubs_epi16(codes[0], _mm256_set1_epi32(quads[0]));
-  for (int j = 1; j < 8; ++j) {
-    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[j], _mm256_set1_epi32(quads[j])));
-  }
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-// The same steps one quad at a time, for w4a8_core.cpp's paired tile (several rows against both halves of a tile,
-// each activation quad broadcast once for both): VP holds 16 int16 sums of pairs, exact for the reason above.
+// vpmaddwd by ones adds each lane's two pairs into the same int32 vpdpbusd gives. VP holds such int16 sums;
+// w4a8_core.cpp's paired tile (several rows against both halves of a tile) takes these steps one quad at a time.
 #define W4A8_INT16_PAIRS 1
 using VP = __m256i;
 inline VP vpairs(VI codes, const int8_t* quad) {  // codes' 4 bytes per lane times the 4 activations, in pairs
@@ -258,6 +247,13 @@ inline VP vpairs(VI codes, const int8_t* quad) {  // codes' 4 bytes per lane tim
 }
 inline VP vpairs_add(VP a, VP b) { return _mm256_add_epi16(a, b); }
 inline VI vpairs_sum(VP a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // each lane's two pairs
+// One chain whatever Chains: the int16 sums are cheap to add.
+template <int Chains = 2>
+inline VI vdot32(const VI codes[8], const int8_t* a) {
+  VP pairs = vpairs(codes[0], a);
+  for (int j = 1; j < 8; ++j) pairs = vpairs_add(pairs, vpairs(codes[j], a + 4 * j));
+  return vpairs_sum(pairs);
+}
 #endif
 #endif
 
