@@ -19,9 +19,11 @@ vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, 
 batching for long: plain batching is one of the choices, scored on the same clock.
 
 Acceptance is learnt from every step that drafted, alone or batched. A new request starts from what its method
-has shown on earlier requests (worth a few positions), not from nothing; and while plain batching wins by a
+has shown on earlier requests (worth a few positions), not from nothing, and so does its drafting cost (before,
+a new request's drafting looked free, and a batch of new requests drafted 4 tokens each where it did not pay:
+a forward of 20 rows, 4.5x one of 4 on AVX2); and while plain batching wins by a
 small margin, one step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under
-other conditions (an early guess, another prompt) get the chance to change the verdict.
+other conditions (an early guess, another prompt) get the chance to change the verdict; but no probe catches up.
 
 A draft model that has not drafted for a while (a request that started under load, or `auto` deferring it until
 first chosen) must first read every token it missed: a catch-up that cost a batch of 4 requests 5 s in one step
@@ -29,8 +31,9 @@ first chosen) must first read every token it missed: a catch-up that cost a batc
 seconds per token caught up (its whole drafting time over the tokens read: a drafter's time is shared among the
 requests it drafted for, so no one request's share would tell), and a step that would catch up is charged its
 share of that, (k + 1) / tokens left of the request (the catch-up serves the request's later steps too; per-step
-choice charges a deferred start the same way). Until one catch-up has been measured it is taken as free, so that
-it gets tried once and measured.
+choice charges a deferred start the same way). A drafter that reads the prompt when its request starts (a draft
+model under `draft`) shows there what a token read costs, before any catch-up; one that defers it (`auto`) has
+its catch-ups taken as free until one has been measured, so that one gets tried and measured.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ CATCH_UP_TOKENS = 32
 class _Estimate:
     accepted: float  # drafted positions the target accepted
     tried: float  # drafted positions verified, up to and including the first rejection
-    draft_seconds_per_token: float | None = None  # None: never drafted yet
+    draft_seconds_per_token: float | None = None  # None: neither it nor its method drafted yet
     pending: int = 0  # tokens its drafter had to read first, as of the batched step being decided (0 after it)
     catch_up_seconds_per_token: float | None = None  # per method only: None until a catch-up was timed
 
@@ -93,9 +96,11 @@ class BatchDraftBudget:
         if best == 0 and len(rates) > 1:
             self.plain_steps += 1
             runner_up = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
-            # Draft once anyway when it comes close: the estimates may be stale. (Not when it is far behind: a
-            # model drafter's probe first catches up on every token it missed, which is dear.)
-            if self.plain_steps >= PROBE_EVERY and rates[runner_up] >= PROBE_MARGIN * rates[0]:
+            # Draft once anyway when it comes close: the estimates may be stale. Not when it is far behind, and
+            # never where a drafter would first catch up: that is dear, and it serves nothing while plain
+            # batching goes on winning (4 requests 73 tokens behind: 1.5 s, 30 plain steps).
+            if (self.plain_steps >= PROBE_EVERY and rates[runner_up] >= PROBE_MARGIN * rates[0]
+                    and not any(self._estimate(seq).pending > CATCH_UP_TOKENS for seq in seqs)):
                 best = runner_up
         if best > 0:
             self.plain_steps = 0
@@ -145,6 +150,15 @@ class BatchDraftBudget:
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward_seconds[rows] = _smoothed(self.forward_seconds.get(rows), seconds)
 
+    def observe_start(self, seq: Sequence, drafter_seconds: float) -> None:
+        """After a request started: its drafter's prompt read, when it read one, prices its method's catch-ups
+        until a catch-up itself is measured (a lone prompt read costs per token about what a batch's catch-ups
+        do: one forward over many rows per request)."""
+        read = len(seq.tokens) - seq.drafter.pending_tokens(seq)
+        method = self._method(seq)
+        if read > CATCH_UP_TOKENS and method.catch_up_seconds_per_token is None:
+            method.catch_up_seconds_per_token = drafter_seconds / read
+
     def observe_sequence(self, seq: Sequence, budget: int, accepted: int, draft_seconds: float) -> None:
         """After a step (alone or batched) that let `seq` draft `budget` tokens, `accepted` of which the target
         kept. A proposal shorter than its budget (or none) counts as a rejection at its end: what the drafter
@@ -170,15 +184,16 @@ class BatchDraftBudget:
     def end_step(self) -> None:
         """After a step's `observe_sequence` calls: a method's catch-up cost from a step where some of its requests
         caught up (their drafting shares then say nothing of drafting's own cost), else each request's drafting
-        cost per token."""
+        cost per token, and its method's, which new requests start from."""
         for method, step in self._step.items():
+            overall = self._methods[method]
             if step.caught_up:
-                estimate = self._methods[method]
-                estimate.catch_up_seconds_per_token = _smoothed(estimate.catch_up_seconds_per_token,
-                                                                max(0.0, step.seconds - step.usual) / step.caught_up)
+                overall.catch_up_seconds_per_token = _smoothed(overall.catch_up_seconds_per_token,
+                                                               max(0.0, step.seconds - step.usual) / step.caught_up)
                 continue
             for estimate, per_token in step.per_token:
                 estimate.draft_seconds_per_token = _smoothed(estimate.draft_seconds_per_token, per_token)
+                overall.draft_seconds_per_token = _smoothed(overall.draft_seconds_per_token, per_token)
         self._step.clear()
 
     def _method(self, seq: Sequence) -> _Estimate:
@@ -188,7 +203,9 @@ class BatchDraftBudget:
 
     def _estimate(self, seq: Sequence) -> _Estimate:
         if seq not in self._sequences:
-            self._sequences[seq] = _Estimate(self._method(seq).acceptance * PRIOR_TRIED, PRIOR_TRIED)
+            method = self._method(seq)
+            self._sequences[seq] = _Estimate(method.acceptance * PRIOR_TRIED, PRIOR_TRIED,
+                                             method.draft_seconds_per_token)
         return self._sequences[seq]
 
 

@@ -203,6 +203,7 @@ class Engine:
         drafter_began = perf_counter()
         drafter.start(seq, prefill)
         seq.stats.drafter_prefill_seconds = perf_counter() - drafter_began
+        self.batch_budget.observe_start(seq, seq.stats.drafter_prefill_seconds)
         seq.stats.prefill_seconds = perf_counter() - began
         return seq
 

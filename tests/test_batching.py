@@ -19,7 +19,7 @@ from test_server import MODEL, SETTINGS, assert_openai_error, running
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.batch_budget import PROBE_EVERY, BatchDraftBudget
+from specdecode.batch_budget import CATCH_UP_TOKENS, PROBE_EVERY, BatchDraftBudget
 from specdecode.batched import forward_groups, padded_inputs
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.kv_cache import CacheBatch
@@ -137,7 +137,8 @@ def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: l
         for _ in range(100):
             budget.observe_sequence(seq, 4, 0, draft_seconds)
             budget.end_step()
-        budget._estimate(seq).accepted, budget._estimate(seq).tried = acceptance * 100, 100.0
+        for estimate in (budget._estimate(seq), budget._method(seq)):
+            estimate.accepted, estimate.tried = acceptance * 100, 100.0
     return budget
 
 
@@ -151,8 +152,11 @@ def test_budget_drafts_fully_while_rows_are_nearly_free_and_stops_where_the_targ
     rising = {rows: 0.030 + 0.004 * rows for rows in (4, 8, 12, 16, 20)}
     assert trained_budget(rising, 0.6, seqs).draft_cap(seqs, [4] * 4) == 1
     assert trained_budget(rising, 0.95, seqs).draft_cap(seqs, [4] * 4) == 4
-    # Drafting's own cost counts: a draft model at 50 ms a token does not pay even with free rows.
-    assert trained_budget(memory_bound, 0.7, seqs, draft_seconds=4 * 0.05).draft_cap(seqs, [4] * 4) == 0
+    # Drafting's own cost counts: a draft model at 50 ms a token does not pay even with free rows; new requests
+    # of the method start from that cost (they once looked free, and a batch of them drafted in full).
+    dear = trained_budget(memory_bound, 0.7, seqs, draft_seconds=4 * 0.05)
+    assert dear.draft_cap(seqs, [4] * 4) == 0
+    assert dear.draft_cap([Scripted() for _ in range(4)], [4] * 4) == 0
     # Never more than a sequence asks for.
     assert trained_budget(memory_bound, 0.7, seqs).draft_cap(seqs, [2, 1, 0, 2]) == 2
 
@@ -177,6 +181,13 @@ def test_budget_probes_while_plain_batching_wins_and_learns_from_every_step():
     assert chosen.count(0) == 2 * PROBE_EVERY - 2 and chosen[PROBE_EVERY - 1] > 0 and chosen[-1] > 0
     far_behind = trained_budget({rows: 0.010 * rows for rows in (4, 8, 12, 16, 20)}, 0.5, seqs)
     assert {far_behind.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)} == {0}  # no dear probes
+    # No probe where a drafter would first catch up, even one never priced: it serves nothing while plain wins.
+    behind = [Scripted("unpriced", behind=CATCH_UP_TOKENS + 1) for _ in range(4)]
+    behind_budget = trained_budget(close_call, 0.5, behind)
+    assert {behind_budget.draft_cap(behind, [4] * 4) for _ in range(2 * PROBE_EVERY)} == {0}
+    for seq in behind:
+        seq.behind = CATCH_UP_TOKENS
+    assert behind_budget.draft_cap(behind, [4] * 4) > 0  # within reach: probed (its turn has long come)
     # A request alone drafts and is accepted often: its method's next requests start from that.
     learner = Scripted("often-right")
     for _ in range(50):
@@ -326,6 +337,17 @@ def test_a_draft_model_asked_for_no_tokens_in_a_batch_proposes_nothing(w4a8_engi
     assert [p.tokens.numel() for p in drafter.propose_many(seqs, [0, 0])] == [0, 0]
     for seq in seqs:
         w4a8_engine.finish(seq)
+
+
+def test_a_draft_model_that_reads_the_prompt_at_start_prices_its_catch_ups_there(w4a8_engine):
+    """Before any batched step: `draft` reads the prompt when it starts, so its method's catch-ups are priced
+    at once; a chain with per-step choice defers that read, and its first catch-up is left to be measured."""
+    engine = Engine(w4a8_engine.target, w4a8_engine.draft)
+    prompt = [5 + i % 50 for i in range(CATCH_UP_TOKENS + 8)]
+    for spec in (SpecConfig("draft"), SpecConfig("ngram,draft", combine="best")):
+        engine.finish(engine.open(prompt, SamplingParams(max_tokens=4), spec).seq)
+    assert engine.batch_budget._methods["draft"].catch_up_seconds_per_token > 0
+    assert engine.batch_budget._methods["ngram,draft"].catch_up_seconds_per_token is None
 
 
 def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
