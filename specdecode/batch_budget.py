@@ -33,7 +33,9 @@ requests it drafted for, so no one request's share would tell), and a step that 
 share of that, (k + 1) / tokens left of the request (the catch-up serves the request's later steps too; per-step
 choice charges a deferred start the same way). A drafter that reads the prompt when its request starts (a draft
 model under `draft`) shows there what a token read costs, before any catch-up; one that defers it (`auto`) has
-its catch-ups taken as free until one has been measured, so that one gets tried and measured.
+its catch-ups priced at what the target's own prefill costs a token until one has been measured: a bound from
+above, since a drafter that reads tokens runs a model smaller than the target. (They were once taken as free
+until measured, and `auto`'s first catch-up at 4 slots cost one step 1.7-2.5 s, all four prompts at once.)
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class BatchDraftBudget:
         self._sequences: weakref.WeakKeyDictionary[Sequence, _Estimate] = weakref.WeakKeyDictionary()
         self._methods: dict[str, _Estimate] = {}  # every request of a method together
         self.plain_steps = 0  # batched steps in a row that drafted nothing
+        self.prefill_seconds_per_token: float | None = None  # the target's, from prompts longer than a catch-up
         self._step: dict[str, _StepDrafting] = {}  # method -> this step's drafting, until end_step
 
     def draft_cap(self, seqs: list[Sequence], wanted: list[int]) -> int:
@@ -124,7 +127,9 @@ class BatchDraftBudget:
         if pending <= CATCH_UP_TOKENS:
             return 0.0
         left = max(1, seq.sampling.max_tokens - seq.generated)
-        per_token = self._method(seq).catch_up_seconds_per_token or 0.0
+        per_token = self._method(seq).catch_up_seconds_per_token
+        if per_token is None:  # never measured: no dearer than the target reading the tokens (0 before that)
+            per_token = self.prefill_seconds_per_token or 0.0
         return min(1.0, (k + 1) / left) * pending * per_token
 
     def forward_estimate(self, rows: int) -> float:
@@ -149,6 +154,12 @@ class BatchDraftBudget:
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward_seconds[rows] = _smoothed(self.forward_seconds.get(rows), seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The target's prefill of a prompt: what an unmeasured catch-up is priced at, per token (short prompts
+        would overprice it: a forward's fixed costs shared among few tokens)."""
+        if tokens > CATCH_UP_TOKENS:
+            self.prefill_seconds_per_token = _smoothed(self.prefill_seconds_per_token, seconds / tokens)
 
     def observe_start(self, seq: Sequence, drafter_seconds: float) -> None:
         """After a request started: its drafter's prompt read, when it read one, prices its method's catch-ups

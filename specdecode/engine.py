@@ -196,7 +196,9 @@ class Engine:
         device = self.target.model.device
         prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
                               torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
+        target_began = perf_counter()
         prefill = self._forward(seq, prompt, logits_at=slice(-1, None))
+        self.batch_budget.observe_prefill(len(prompt_ids), perf_counter() - target_began)
         first = verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token
         seq.tokens.append(first)
         self._record_logprobs(seq, prefill.logits, [first])

@@ -196,7 +196,6 @@ def test_budget_probes_while_plain_batching_wins_and_learns_from_every_step():
     assert budget._estimate(newcomer).acceptance > 0.9 and budget._estimate(Scripted()).acceptance < 0.6
 
 
-
 def test_a_catch_up_is_learnt_apart_and_charged_once_measured():
     seqs = [Scripted("behind", behind=100) for _ in range(4)]  # e.g. a draft model that started under load
     memory_bound = {rows: 0.030 + 0.0002 * rows for rows in (4, 8, 12, 16, 20)}
@@ -221,6 +220,22 @@ def test_a_catch_up_is_learnt_apart_and_charged_once_measured():
     for seq in seqs:
         seq.behind, seq.sampling = 100, SamplingParams(max_tokens=4096)
     assert budget.draft_cap(seqs, [4] * 4) == 4
+
+
+def test_a_catch_up_never_measured_is_priced_at_the_targets_prefill():
+    # `auto`: the draft model reads a 150-token prompt when it is first chosen, and no catch-up was timed yet.
+    seqs = [Scripted("deferred", behind=150) for _ in range(4)]
+    memory_bound = {rows: 0.030 + 0.0002 * rows for rows in (4, 8, 12, 16, 20)}
+    budget = trained_budget(memory_bound, 0.7, seqs, draft_seconds=4 * 0.0002)
+    budget.observe_prefill(CATCH_UP_TOKENS, 10.0)  # a short prompt prices nothing: its forward's fixed costs
+    assert budget.draft_cap(seqs, [4] * 4) == 4  # nothing known: tried
+    budget.observe_prefill(150, 150 * 0.008)  # the target reads 8 ms a token: 5/128 of 1.2 s each, too dear
+    assert {budget.draft_cap(seqs, [4] * 4) for _ in range(2 * PROBE_EVERY)} == {0}
+    budget.observe_prefill(150, 150 * 0.0001)  # a cheaper prompt: smoothed, 6.4 ms a token, still too dear
+    assert budget.draft_cap(seqs, [4] * 4) == 0
+    budget._method(seqs[0]).catch_up_seconds_per_token = 0.0005  # once measured, the measurement decides
+    assert budget.draft_cap(seqs, [4] * 4) == 4
+
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft", "ngram,draft"])
 def test_seeded_sampling_in_a_batch_equals_each_request_alone(w4a8_engine, monkeypatch, method):
@@ -341,13 +356,15 @@ def test_a_draft_model_asked_for_no_tokens_in_a_batch_proposes_nothing(w4a8_engi
 
 def test_a_draft_model_that_reads_the_prompt_at_start_prices_its_catch_ups_there(w4a8_engine):
     """Before any batched step: `draft` reads the prompt when it starts, so its method's catch-ups are priced
-    at once; a chain with per-step choice defers that read, and its first catch-up is left to be measured."""
+    at once; a chain with per-step choice defers that read, and its catch-ups are priced at the target's prefill
+    until one is measured."""
     engine = Engine(w4a8_engine.target, w4a8_engine.draft)
     prompt = [5 + i % 50 for i in range(CATCH_UP_TOKENS + 8)]
     for spec in (SpecConfig("draft"), SpecConfig("ngram,draft", combine="best")):
         engine.finish(engine.open(prompt, SamplingParams(max_tokens=4), spec).seq)
     assert engine.batch_budget._methods["draft"].catch_up_seconds_per_token > 0
     assert engine.batch_budget._methods["ngram,draft"].catch_up_seconds_per_token is None
+    assert engine.batch_budget.prefill_seconds_per_token > 0  # ... priced meanwhile at the target's prefill
 
 
 def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
