@@ -285,7 +285,8 @@ def test_batched_server_answers_like_single_requests_and_queues_on_its_kv_budget
         assert json.loads(json.dumps(server.health()))["active"] == 0
 
 
-def test_load_bench_runs_clients_concurrently_and_reports_percentiles(w4a8_engine, tmp_path):
+def test_load_bench_runs_clients_concurrently_and_reports_percentiles(w4a8_engine, tmp_path, monkeypatch):
+    from specdecode.bench import load
     from specdecode.bench.datasets import load_questions
     from specdecode.bench.load import run_load_bench
 
@@ -295,8 +296,15 @@ def test_load_bench_runs_clients_concurrently_and_reports_percentiles(w4a8_engin
     sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with running(create_app(w4a8_engine, SETTINGS)) as server:
         url = f"http://127.0.0.1:{server.port}"
-        peers = [f"openai={url},name=ours", f"openai={url},name=ours-plain,spec=none"]
+        peers = [f"openai={url},name=ours", f"openai={url},name=ours-plain,spec=none,cache=on"]
+        sent = []  # (the speculative override, cache_prompt) of every request
+        streamed = load.stream_chat
+        monkeypatch.setattr(load, "stream_chat",
+                            lambda url, body: sent.append((str(body.get("speculative")), body["cache_prompt"]))
+                            or streamed(url, body))
         results = run_load_bench(peers, load_questions([str(dataset)]), sampling, [1, 4], tmp_path)
+    # Cold prompts unless a peer says otherwise (llama.cpp answers prompts it saw before from its cache).
+    assert sorted(set(sent)) == [("None", False), ("{'method': 'none'}", True)] and len(sent) == 4 * 8
     assert [(r.server, r.concurrency) for r in results] == [("ours", 1), ("ours", 4), ("ours-plain", 1),
                                                             ("ours-plain", 4)]
     for r in results:
@@ -314,6 +322,8 @@ def test_load_bench_without_a_server_is_one_clear_error(tmp_path, capsys):
     dataset.write_text(json.dumps({"question_id": 1, "category": "t", "turns": ["hi"]}) + "\n")
     assert main(["bench", "--dataset", str(dataset), "--concurrency", "1,2"]) != 0
     assert "--concurrency loads servers" in capsys.readouterr().err
+    assert main(["bench", "--dataset", str(dataset), "--concurrency", "1", "--peer", "openai=http://x,cache=1"]) != 0
+    assert "cache= takes on or off" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options, combine", [({}, "first"), ({"draft_p_min": 0.3}, "first"), ({}, "best")])

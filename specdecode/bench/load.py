@@ -4,6 +4,13 @@ For each server and each concurrency: aggregate output tokens per second over th
 token and inter-token latency percentiles (gaps between streamed chunks, each chunk's tokens counted), and
 requests per second. Every server gets the same prompts in the same order, streamed chat completions with the
 same sampling; a server's speculation is whatever it runs (ours can be told per request, `spec=METHOD`).
+
+Prompts are cold by default: every request carries `"cache_prompt": false`, which tells llama.cpp's server not to
+reuse the KV of a prompt it saw before (other servers ignore the field; ours keeps no prompt cache). The same
+prompts go out at each concurrency, and with its cache on llama.cpp answered the second time round in 210-418 ms
+against 1165 ms cold (docs/benchmarks, 2026-12-03 at load): that measured its cache, not its scheduling. A peer
+written with `cache=on` leaves the server's prompt cache to its own settings. vLLM's and SGLang's prefix caches are
+switched off on their command lines only (`--no-enable-prefix-caching`, `--disable-radix-cache`).
 """
 
 from __future__ import annotations
@@ -26,18 +33,23 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass
 class LoadTarget:
-    """A server to load: its URL, a label, and the `speculative` override sent with every request (ours only)."""
+    """A server to load: its URL, a label, the `speculative` override sent with every request (ours only), and
+    whether the server may answer from a prompt cache."""
 
     url: str
     name: str
     speculative: str | None = None
+    prompt_cache: bool = False
 
     @classmethod
     def parse(cls, text: str) -> LoadTarget:
-        """'openai=URL[,name=LABEL][,spec=METHOD]'."""
+        """'openai=URL[,name=LABEL][,spec=METHOD][,cache=on|off]'."""
         url, name = parse_peer(text)
         fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
-        return cls(url, name, fields.get("spec"))
+        cache = fields.get("cache", "off")
+        if cache not in ("on", "off"):
+            raise SpecDecodeError(f"--peer {text!r}: cache= takes on or off, not {cache!r}")
+        return cls(url, name, fields.get("spec"), cache == "on")
 
 
 @dataclass
@@ -95,7 +107,7 @@ def run_load(target: LoadTarget, model: str, prompts: list[str], sampling: Sampl
                 return
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
                     "stream_options": {"include_usage": True}, "max_tokens": sampling.max_tokens,
-                    "temperature": sampling.temperature}
+                    "temperature": sampling.temperature, "cache_prompt": target.prompt_cache}
             if sampling.seed is not None:
                 body["seed"] = sampling.seed
             if target.speculative:
@@ -127,8 +139,7 @@ def run_load_bench(targets: list[str], questions: list[Question], sampling: Samp
     """Every server at every concurrency, in that order; a table on stdout, results.json and report.md in `out`."""
     prompts = [question.turns[0] for question in questions]
     results = []
-    for text in targets:
-        target = LoadTarget.parse(text)
+    for target in [LoadTarget.parse(text) for text in targets]:  # every --peer read before any load
         model = OpenAIPeer(target.url, target.name).model  # also checks the server answers, before any load
         for concurrency in concurrencies:
             result = run_load(target, model, prompts, sampling, concurrency)
