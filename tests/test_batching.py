@@ -312,7 +312,8 @@ def test_load_bench_runs_clients_concurrently_and_reports_percentiles(w4a8_engin
         assert set(r.ttft_ms) == set(r.itl_ms) == {"p50", "p90", "p99"}
         assert r.ttft_ms["p50"] <= r.ttft_ms["p90"] <= r.ttft_ms["p99"]
     assert json.loads((tmp_path / "results.json").read_text())[1]["concurrency"] == 4
-    assert "| ours-plain | 4 |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| ours-plain | 4 |" in report and "prompts cold (`cache_prompt: false`) except to ours-plain" in report
 
 
 def test_load_bench_without_a_server_is_one_clear_error(tmp_path, capsys):

@@ -64,6 +64,7 @@ class LoadResult:
     requests_per_second: float
     ttft_ms: dict[str, float] = field(default_factory=dict)  # "p50" -> milliseconds
     itl_ms: dict[str, float] = field(default_factory=dict)
+    prompt_cache: bool = False  # the server was let answer from its prompt cache (a peer's cache=on)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -131,7 +132,7 @@ def run_load(target: LoadTarget, model: str, prompts: list[str], sampling: Sampl
     tokens = sum(count for count, _, _ in done)
     return LoadResult(target.name, concurrency, len(done), len(failures), tokens, seconds, tokens / seconds,
                       len(done) / seconds, percentiles([ttft for _, ttft, _ in done]),
-                      percentiles([gap for _, _, gaps in done for gap in gaps]))
+                      percentiles([gap for _, _, gaps in done for gap in gaps]), target.prompt_cache)
 
 
 def run_load_bench(targets: list[str], questions: list[Question], sampling: SamplingParams,
@@ -162,8 +163,11 @@ def format_row(r: LoadResult) -> str:
 
 
 def report(results: list[LoadResult], sampling: SamplingParams, prompts: int) -> str:
+    cached = sorted({r.server for r in results if r.prompt_cache})
+    caches = f"prompts cold (`cache_prompt: false`) except to {', '.join(cached)}" if cached else "prompts cold " \
+        "(`cache_prompt: false`, which llama.cpp's server honours)"
     lines = ["# Servers at load", "",
              f"{prompts} prompts (first turns), max_tokens {sampling.max_tokens}, temperature "
-             f"{sampling.temperature}; each client sends its next prompt when its answer ends.", "",
+             f"{sampling.temperature}; each client sends its next prompt when its answer ends; {caches}.", "",
              HEADER, "|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [format_row(r) for r in results]) + "\n"
