@@ -27,6 +27,7 @@ from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import LoadedModel, module_bytes
 from specdecode.models.quant.quantized_linear import check_quant
+from specdecode.prefill import Prefill
 from specdecode.request_stream import GenerationEvent, RequestStream
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.speed_guard import PlainStepClock, SpeedGuard
@@ -145,9 +146,12 @@ class Engine:
              raw: bool = False) -> RequestStream:
         """Start a request (prefill) as a stream of events; its caller steps `stream.seq` (alone or in a batch,
         see step_many), hands each step's tokens to `stream.event`, and calls `finish` once it ends."""
-        sampling = sampling or SamplingParams()
         started = perf_counter()
-        seq = self.start(self.encode(prompt, raw), sampling, spec or self.spec)
+        return self.stream(self.start(self.encode(prompt, raw), sampling or SamplingParams(), spec or self.spec),
+                           started)
+
+    def stream(self, seq: Sequence, started: float) -> RequestStream:
+        """The events of a started request that arrived at perf_counter() `started`."""
         return RequestStream(seq, self.target.tokenizer, started, self._record_request_end)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
@@ -181,7 +185,12 @@ class Engine:
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig) -> Sequence:
         """A new request: prefill the target (and the drafter), sample the first token."""
-        began = perf_counter()
+        return self.begin(prompt_ids, sampling, spec).run()
+
+    def begin(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig,
+              chunk: int | None = None) -> Prefill:
+        """A new request whose prompt is read `chunk` tokens per `Prefill.advance` (None: in one forward); its
+        caches are allocated here."""
         drafter = self.drafter(spec)
         capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
         draft_length = self._draft_length(drafter, spec)
@@ -193,21 +202,21 @@ class Engine:
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
         seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
                        draft_length, stats, eos, guard)
-        device = self.target.model.device
-        prompt = ForwardInputs(torch.tensor([prompt_ids], device=device),
-                              torch.arange(len(prompt_ids), device=device).unsqueeze(0), None)  # [1, P] each
-        target_began = perf_counter()
-        prefill = self._forward(seq, prompt, logits_at=slice(-1, None))
-        self.batch_budget.observe_prefill(len(prompt_ids), perf_counter() - target_began)
-        first = verify(DraftProposal.empty(), prefill.logits, sampling, generator).next_token
+        return Prefill(seq, chunk, self.target.model.device,
+                       lambda seq, inputs: self._forward(seq, inputs, logits_at=slice(-1, None)), self._started)
+
+    def _started(self, seq: Sequence, prefill: TargetOutput, target_seconds: float) -> None:
+        """The prompt is in the target's cache (`prefill`: its hidden states, the last row's logits): sample the
+        first token and start the drafter."""
+        self.batch_budget.observe_prefill(seq.prompt_len, target_seconds)
+        first = verify(DraftProposal.empty(), prefill.logits, seq.sampling, seq.generator).next_token
         seq.tokens.append(first)
         self._record_logprobs(seq, prefill.logits, [first])
         drafter_began = perf_counter()
-        drafter.start(seq, prefill)
+        seq.drafter.start(seq, prefill)
         seq.stats.drafter_prefill_seconds = perf_counter() - drafter_began
         self.batch_budget.observe_start(seq, seq.stats.drafter_prefill_seconds)
-        seq.stats.prefill_seconds = perf_counter() - began
-        return seq
+        seq.stats.prefill_seconds = target_seconds + seq.stats.drafter_prefill_seconds
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:

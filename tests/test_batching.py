@@ -25,6 +25,7 @@ from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import load_model
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+from specdecode.prefill import Prefill
 from specdecode.server.app import create_app
 from specdecode.spec_types import DraftProposal
 from specdecode.tree import verify_inputs
@@ -389,16 +390,16 @@ def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
 
 
 def test_a_bug_in_one_prefill_is_a_500_for_that_request_and_the_server_keeps_serving(w4a8_engine, monkeypatch):
-    opened = w4a8_engine.open
+    advance = Prefill.advance
     calls = []
 
-    def failing_once(*args, **kwargs):
+    def failing_once(prefill):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a scripted bug")
-        return opened(*args, **kwargs)
+        return advance(prefill)
 
-    monkeypatch.setattr(w4a8_engine, "open", failing_once)
+    monkeypatch.setattr(Prefill, "advance", failing_once)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
     with running(create_app(w4a8_engine, SETTINGS)) as server:
         error = assert_openai_error(*server.post("/v1/completions", body), 500)

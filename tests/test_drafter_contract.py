@@ -6,7 +6,8 @@ new drafter is held to it the day it registers:
 - sampled output follows the target's distribution (end to end, chi-square at alpha = 1e-4);
 - after every step the target's KV cache holds exactly the committed tokens, with the values a fresh prefill
   computes (so a tree's rollback kept the accepted path and nothing else);
-- one Engine serves interleaved requests: each output is what it is alone, each request's state goes at finish.
+- one Engine serves interleaved requests: each output is what it is alone, each request's state goes at finish;
+- a prompt read in chunks (as the server reads one between batched steps) decodes as one read whole.
 """
 
 from __future__ import annotations
@@ -202,3 +203,30 @@ def test_batched_steps_on_a_w4a8_target_equal_each_request_alone(w4a8_engine, mo
     batched, shapes = run_batched(w4a8_engine, requests)
     assert batched == alone
     assert any(batch > 1 and rows > 1 for batch, rows in shapes), "no batch verified a draft"
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_a_prompt_read_in_chunks_decodes_as_one_read_whole(pair, w4a8_engine, method, options):
+    """The server reads an arriving prompt a few tokens at a time between batched steps (prefill.py): the
+    drafter starts on the whole prompt's hidden states, so it drafts the same tokens and the output is bitwise
+    the same (w4a8 target; each run in a fresh Engine, as suffix decoding learns across requests; no speed
+    guard, whose clock would make the drafts differ)."""
+    spec = SpecConfig(method, num_draft_tokens=3, options=options, guard=False)
+
+    def decoded(ids: list[int], chunk: int | None) -> tuple[int, list[int], int, int]:
+        engine = Engine(w4a8_engine.target, w4a8_engine.draft, draft_path=pair[3])
+        prefill = engine.begin(ids, greedy(16), spec, chunk)
+        reads = 1
+        while not prefill.advance():
+            reads += 1
+        seq = prefill.seq
+        while seq.generated < 16:
+            engine.step(seq)
+        engine.finish(seq)
+        return reads, seq.tokens[seq.prompt_len:][:16], seq.stats.drafted_tokens, seq.stats.accepted_tokens
+
+    for prompt in PROMPTS[:2]:
+        ids = w4a8_engine.encode(prompt)
+        whole, chunked = decoded(ids, None), decoded(ids, 3)
+        assert whole[0] == 1 and chunked[0] == -(-len(ids) // 3) > 1
+        assert chunked[1:] == whole[1:], f"{method} {options} on {prompt!r}"

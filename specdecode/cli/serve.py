@@ -95,6 +95,10 @@ def add_parser(commands) -> None:
     serve.add_argument("--kv-memory", type=parse_size,
                        help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
                        "that would not fit waits in the queue (default: no bound beyond --max-active)")
+    serve.add_argument("--prefill-chunk", type=int, default=64,
+                       help="while requests decode in a batch, read an arriving prompt this many tokens at a time, "
+                       "one chunk between two steps, so they wait for a chunk, not a whole prompt (0: whole "
+                       "prompts; default 64)")
     serve.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those; then 429")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -133,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,
             max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-            shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=args.kv_memory)
+            shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=args.kv_memory,
+            prefill_chunk=args.prefill_chunk)
         port = listening.getsockname()[1]
         lossy = f", LOSSY relaxed acceptance {spec.relaxed}" if spec.relaxed else ""
         print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}{lossy}) on "

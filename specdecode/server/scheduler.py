@@ -9,6 +9,10 @@ matmuls round differently with more rows): one request's step at a time, as sepa
 
 Every request's KV cache is sized to it (prompt + max_tokens) and counted against one memory budget
 (`kv_memory`): a request whose cache would not fit waits in the queue until enough ends, never fails for it.
+
+While requests decode, an arriving prompt is read `prefill_chunk` tokens at a time, one chunk between two
+batched steps (prefill.py), so the batch waits for a chunk, not for a whole prompt; with no request decoding
+the prompt is read whole, since no one waits.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import asyncio
 import queue
 import threading
 import time
+from time import perf_counter
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine import Engine
 from specdecode.models.batch_invariance import batch_invariant
+from specdecode.prefill import Prefill
 from specdecode.request_stream import RequestStream
 from specdecode.errors import SpecDecodeError
 
@@ -55,9 +61,10 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_active: int = 8, max_queued: int = 64, batching: str = "auto",
-                 kv_memory: int | None = None):
+                 kv_memory: int | None = None, prefill_chunk: int | None = None):
         """`batching`: on, off, or auto (on where the target is batch-invariant); `kv_memory`: bytes the active
-        requests' target KV caches may hold together (None: no bound beyond max_active)."""
+        requests' target KV caches may hold together (None: no bound beyond max_active); `prefill_chunk`: prompt
+        tokens read between two batched steps while others decode (None or 0: a whole prompt at once)."""
         if max_active < 1 or max_queued < 1:
             raise SpecDecodeError(f"need at least one active and one queued request, got max_active={max_active} "
                                   f"max_queued={max_queued}")
@@ -65,9 +72,12 @@ class Scheduler:
             raise SpecDecodeError(f"batching is auto, on or off, not {batching!r}")
         if kv_memory is not None and kv_memory < 1:
             raise SpecDecodeError(f"the KV memory budget must be positive, got {kv_memory} bytes")
+        if prefill_chunk is not None and prefill_chunk < 0:
+            raise SpecDecodeError(f"the prefill chunk must be 0 (whole prompts) or more tokens, got {prefill_chunk}")
         self.engine = engine
         self.batching = batch_invariant(engine.target.model) if batching == "auto" else batching == "on"
         self.kv_memory = kv_memory
+        self.prefill_chunk = prefill_chunk if self.batching else None  # interleaved: every prompt at once
         self.lock = threading.Lock()
         self.max_active = max_active
         self.max_queued = max_queued
@@ -77,6 +87,8 @@ class Scheduler:
         self.pending: queue.Queue[Job] = queue.Queue()
         self.waiting: Job | None = None  # taken from the queue, waiting for KV memory to free up
         self.active: list[tuple[Job, RequestStream]] = []
+        self.starting: list[tuple[Job, Prefill, float]] = []  # prompts being read, first first; perf_counter() at
+        # admission
         self.draining = False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
@@ -96,7 +108,7 @@ class Scheduler:
 
     @property
     def load(self) -> tuple[int, int]:
-        return len(self.active), self.pending.qsize() + (self.waiting is not None)
+        return len(self.active) + len(self.starting), self.pending.qsize() + (self.waiting is not None)
 
     def check_fits(self, job: Job) -> int:
         """The bytes of the job's KV cache; a SpecDecodeError if they exceed the whole budget (the server answers
@@ -110,15 +122,17 @@ class Scheduler:
 
     @property
     def kv_bytes(self) -> int:
-        """Memory the active requests' target KV caches hold."""
-        return sum(stream.seq.cache.nbytes for _, stream in list(self.active))  # a copy: the worker edits it
+        """Memory the active and starting requests' target KV caches hold."""
+        decoding = sum(stream.seq.cache.nbytes for _, stream in list(self.active))  # copies: the worker edits them
+        return decoding + sum(prefill.seq.cache.nbytes for _, prefill, _ in list(self.starting))
 
     def shutdown(self, grace_seconds: float) -> None:
         """Stop taking requests, let in-flight ones finish within the grace period, then end the rest cleanly."""
         with self.lock:
             self.draining = True
         deadline = time.monotonic() + grace_seconds
-        while (self.active or self.waiting or not self.pending.empty()) and time.monotonic() < deadline:
+        while (self.active or self.starting or self.waiting or not self.pending.empty()) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         self.stopped.set()
         self.thread.join(timeout=5)
@@ -127,6 +141,7 @@ class Scheduler:
         while not self.stopped.is_set():
             self._admit()
             self._drop_ended()
+            self._read_prompt()
             if not self.active:
                 continue
             groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
@@ -134,7 +149,7 @@ class Scheduler:
                 self._step(group)
         for job, stream in list(self.active):  # a copy: _end removes each
             self._end(job, stream, SpecDecodeError("the server shut down before this request finished"))
-        queued = [self.waiting] if self.waiting is not None else []
+        queued = [job for job, _, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
         while not self.pending.empty():
             queued.append(self.pending.get_nowait())
         for job in queued:  # still queued when the grace ran out: answer them too, or they hang
@@ -159,12 +174,13 @@ class Scheduler:
             return self.waiting
         try:
             # Block briefly only when idle, so an active batch never waits on the queue.
-            return self.pending.get(timeout=0.05) if not self.active else self.pending.get_nowait()
+            idle = not (self.active or self.starting)
+            return self.pending.get(timeout=0.05) if idle else self.pending.get_nowait()
         except queue.Empty:
             return None
 
     def _admit(self) -> None:
-        while len(self.active) < self.max_active:
+        while len(self.active) + len(self.starting) < self.max_active:
             job = self._next_job()
             if job is None:
                 return
@@ -178,14 +194,38 @@ class Scheduler:
                 continue
             try:
                 need = self.check_fits(job)
-                if self.kv_memory is not None and self.active and self.kv_bytes + need > self.kv_memory:
+                busy = self.active or self.starting
+                if self.kv_memory is not None and busy and self.kv_bytes + need > self.kv_memory:
                     self.waiting = job  # first in line when enough memory frees up
                     return
-                stream = self.engine.open(job.prompt_ids, job.sampling, job.spec)
-            except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
+                began = perf_counter()
+                prefill = self.engine.begin(self.engine.encode(job.prompt_ids), job.sampling, job.spec,
+                                            self.prefill_chunk)
+            except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
                 job.send(error)
                 self._release()
                 continue
+            self.starting.append((job, prefill, began))
+
+    def _read_prompt(self) -> None:
+        """The next chunk of the first starting request's prompt, or all of it when no request is decoding; a
+        request whose prompt is read joins the active ones."""
+        if not self.starting:
+            return
+        job, prefill, began = self.starting[0]
+        try:
+            if self.active:
+                done = prefill.advance()
+            else:
+                done = bool(prefill.run())
+        except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
+            self.starting.pop(0)
+            job.send(error)
+            self._release()
+            return
+        if done:
+            self.starting.pop(0)
+            stream = self.engine.stream(prefill.seq, began)
             self.active.append((job, stream))
             self._send(job, stream, stream.first_event())
 
@@ -196,6 +236,13 @@ class Scheduler:
                 self._end(job, stream)
             elif time.monotonic() > job.deadline:
                 self._end(job, stream, RequestTimeout("request timed out"))
+        for entry in list(self.starting):  # a prompt being read: its drafter has not started, nothing to finish
+            job = entry[0]
+            if job.cancelled.is_set() or time.monotonic() > job.deadline:
+                self.starting.remove(entry)
+                if not job.cancelled.is_set():
+                    job.send(RequestTimeout("request timed out"))
+                self._release()
 
     def _step(self, group: list[tuple[Job, RequestStream]]) -> None:
         """One step of every request in `group`, in one batch: the unit of fairness between streams."""
