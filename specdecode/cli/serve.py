@@ -95,10 +95,10 @@ def add_parser(commands) -> None:
     serve.add_argument("--kv-memory", type=parse_size,
                        help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
                        "that would not fit waits in the queue (default: no bound beyond --max-active)")
-    serve.add_argument("--prefill-chunk", type=int, default=64,
+    serve.add_argument("--prefill-chunk", type=int, default=32,
                        help="while requests decode in a batch, read an arriving prompt this many tokens at a time, "
                        "one chunk between two steps, so they wait for a chunk, not a whole prompt (0: whole "
-                       "prompts; default 64)")
+                       "prompts; default 32)")
     serve.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those; then 429")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")

@@ -42,7 +42,7 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     batching: str = "auto"  # on, off, or auto: on where the target is batch-invariant (scheduler.py)
     kv_memory: int | None = None  # bytes the active requests' KV caches may hold together; None: no bound
-    prefill_chunk: int = 64  # prompt tokens read between two batched steps while others decode; 0: whole prompts
+    prefill_chunk: int = 32  # prompt tokens read between two batched steps while others decode; 0: whole prompts
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
