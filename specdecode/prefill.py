@@ -6,7 +6,7 @@ its next token (docs/benchmarks, 2026-12-04: inter-token p99 0.9-1.3 s at 4-8 cl
 a time, one chunk between two batched steps, that stall is a chunk's worth. The chunks' forwards append to the
 request's KV cache as a verify forward does, and the drafter is started once, on the whole prompt's hidden
 states, so what the request decodes does not depend on the chunking (bitwise on a w4a8 target, whose kernels
-give a row the same bits whatever rows share its forward; tests/test_prefill.py).
+give a row the same bits whatever rows share its forward; tests/test_drafter_contract.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Prefill:
         """`forward(seq, inputs)`: one target forward with the hidden states the drafter reads, logits of the
         last row; `started(seq, whole prompt's output, target seconds)`: what follows the prompt's read."""
         self.seq = seq
-        self.chunk = chunk if chunk else len(seq.tokens)  # None or 0: the whole prompt in one forward
+        self.chunk = chunk if chunk else seq.prompt_len  # None or 0: the whole prompt in one forward
         self.device = device
         self.read = 0  # prompt tokens in the KV cache so far
         self.target_seconds = 0.0

@@ -156,6 +156,8 @@ def check_serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     for name in ("max_tokens", "max_active", "max_queued", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefill_chunk < 0:
+        raise SpecDecodeError(f"--prefill-chunk must be >= 0 (0: whole prompts), got {args.prefill_chunk}")
     if not 0 < args.request_timeout <= MAX_SECONDS:  # NaN fails both comparisons
         raise SpecDecodeError(f"--request-timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.request_timeout}")
     if not 0 <= args.shutdown_grace <= MAX_SECONDS:

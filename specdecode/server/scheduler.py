@@ -21,7 +21,6 @@ import asyncio
 import queue
 import threading
 import time
-from time import perf_counter
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
@@ -198,7 +197,7 @@ class Scheduler:
                 if self.kv_memory is not None and busy and self.kv_bytes + need > self.kv_memory:
                     self.waiting = job  # first in line when enough memory frees up
                     return
-                began = perf_counter()
+                began = time.perf_counter()
                 prefill = self.engine.begin(self.engine.encode(job.prompt_ids), job.sampling, job.spec,
                                             self.prefill_chunk)
             except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
