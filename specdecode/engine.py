@@ -28,6 +28,7 @@ from specdecode.models.kv_cache import CacheBatch
 from specdecode.models.loader import LoadedModel, module_bytes
 from specdecode.models.quant.quantized_linear import check_quant
 from specdecode.prefill import Prefill
+from specdecode.prefix_cache import PrefixCache
 from specdecode.request_stream import GenerationEvent, RequestStream
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 from specdecode.speed_guard import PlainStepClock, SpeedGuard
@@ -63,11 +64,12 @@ class GenerationResult:
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  context_limit: int | None = None, draft_path: str | Path | dict[str, str | Path] | None = None,
-                 draft_quant: str = "none"):
+                 draft_quant: str = "none", prefix_cache_bytes: int = 0):
         """`draft`: a draft model (method 'draft'); `draft_path`: the weights of a drafter with its own format
         (an EAGLE-3 head or DFlash folder), read by that drafter when a spec first uses it, or a dict from method
         to its folder when several such drafters run; `draft_quant`: what those weights run as (none, int8,
-        int4, w4a8; the CLI's --draft-quant with auto resolved)."""
+        int4, w4a8; the CLI's --draft-quant with auto resolved); `prefix_cache_bytes`: memory for ended
+        requests' KV caches, which later prompts with the same beginning reuse (prefix_cache.py; 0: none)."""
         self.target = target
         self.draft = draft
         self.spec = spec or SpecConfig()
@@ -85,6 +87,7 @@ class Engine:
         self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a chain of members)
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request
         self.batch_budget = BatchDraftBudget()  # forward costs by rows and acceptance, for batched steps
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.check_spec(self.spec)
 
     def drafter(self, spec: SpecConfig) -> Drafter:
@@ -188,9 +191,10 @@ class Engine:
         return self.begin(prompt_ids, sampling, spec).run()
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecConfig,
-              chunk: int | None = None) -> Prefill:
+              chunk: int | None = None, reuse_prefix: bool = True) -> Prefill:
         """A new request whose prompt is read `chunk` tokens per `Prefill.advance` (None: in one forward); its
-        caches are allocated here."""
+        caches are allocated here, and the longest prefix the prefix cache holds is copied in unless
+        `reuse_prefix` is False (a client's `cache_prompt: false`)."""
         drafter = self.drafter(spec)
         capacity = min(self.context_limit, len(prompt_ids) + sampling.max_tokens)
         draft_length = self._draft_length(drafter, spec)
@@ -202,13 +206,18 @@ class Engine:
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
         seq = Sequence(list(prompt_ids), len(prompt_ids), sampling, spec, generator, capacity, cache, drafter,
                        draft_length, stats, eos, guard)
+        reused = None
+        if self.prefix_cache is not None and reuse_prefix:
+            reused = self.prefix_cache.restore(prompt_ids, drafter.caps, cache)
+        stats.cached_prompt_tokens = cache.lengths[0]
         return Prefill(seq, chunk, self.target.model.device,
-                       lambda seq, inputs: self._forward(seq, inputs, logits_at=slice(-1, None)), self._started)
+                       lambda seq, inputs: self._forward(seq, inputs, logits_at=slice(-1, None)), self._started,
+                       reused)
 
     def _started(self, seq: Sequence, prefill: TargetOutput, target_seconds: float) -> None:
         """The prompt is in the target's cache (`prefill`: its hidden states, the last row's logits): sample the
         first token and start the drafter."""
-        self.batch_budget.observe_prefill(seq.prompt_len, target_seconds)
+        self.batch_budget.observe_prefill(seq.prompt_len - seq.stats.cached_prompt_tokens, target_seconds)
         first = verify(DraftProposal.empty(), prefill.logits, seq.sampling, seq.generator).next_token
         seq.tokens.append(first)
         self._record_logprobs(seq, prefill.logits, [first])
@@ -217,6 +226,9 @@ class Engine:
         seq.stats.drafter_prefill_seconds = perf_counter() - drafter_began
         self.batch_budget.observe_start(seq, seq.stats.drafter_prefill_seconds)
         seq.stats.prefill_seconds = target_seconds + seq.stats.drafter_prefill_seconds
+        if self.prefix_cache is not None:  # now, so that requests arriving while this one decodes reuse it
+            seq.prompt_states = TargetOutput(prefill.logits[:0], prefill.hidden, prefill.final_hidden)
+            self.prefix_cache.store(seq, seq.prompt_states)
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
@@ -314,8 +326,11 @@ class Engine:
         return outputs
 
     def finish(self, seq: Sequence) -> None:
-        """The request ended (or was dropped): the drafter lets go of its state for it."""
+        """The request ended (or was dropped): the drafter lets go of its state for it, and the prefix cache
+        keeps what the target read (prompt and answer: a chat's next turn begins with both)."""
         self._record_request_end(seq)
+        if self.prefix_cache is not None and seq.generated:
+            self.prefix_cache.store(seq, seq.prompt_states)
         seq.drafter.finish(seq)
         seq.stats.drafter_cache_bytes = seq.drafter.cache_bytes()
 

@@ -25,16 +25,17 @@ class Prefill:
 
     def __init__(self, seq: Sequence, chunk: int | None, device: torch.device,
                  forward: Callable[[Sequence, ForwardInputs], TargetOutput],
-                 started: Callable[[Sequence, TargetOutput, float], None]):
+                 started: Callable[[Sequence, TargetOutput, float], None], reused: TargetOutput | None = None):
         """`forward(seq, inputs)`: one target forward with the hidden states the drafter reads, logits of the
-        last row; `started(seq, whole prompt's output, target seconds)`: what follows the prompt's read."""
+        last row; `started(seq, whole prompt's output, target seconds)`: what follows the prompt's read;
+        `reused`: the hidden states of the prompt's first rows, already in the cache from the prefix cache."""
         self.seq = seq
         self.chunk = chunk if chunk else seq.prompt_len  # None or 0: the whole prompt in one forward
         self.device = device
-        self.read = 0  # prompt tokens in the KV cache so far
+        self.read = seq.cache.lengths[0]  # prompt tokens in the KV cache so far
         self.target_seconds = 0.0
         self._forward, self._started = forward, started
-        self._parts: list[TargetOutput] = []
+        self._parts: list[TargetOutput] = [] if reused is None else [reused]
 
     @property
     def done(self) -> bool:
@@ -64,7 +65,8 @@ class Prefill:
 
 
 def _joined(parts: list[TargetOutput]) -> TargetOutput:
-    """The chunks' outputs as one prefill's: hidden states over every prompt row, the last chunk's logits."""
+    """The chunks' outputs (after the reused rows' states, if any) as one prefill's: hidden states over every
+    prompt row, the last chunk's logits."""
     if len(parts) == 1:
         return parts[0]
     hidden = {layer: torch.cat([part.hidden[layer] for part in parts]) for layer in parts[0].hidden}  # [P, H] each

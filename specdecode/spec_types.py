@@ -45,6 +45,9 @@ class Sequence:
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
     # One per generated token when sampling.logprobs asks for them (logprobs.py), else empty.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The prompt's hidden states its drafter read, kept until the request ends for the prefix cache (None when
+    # the engine has none).
+    prompt_states: TargetOutput | None = None
 
     @property
     def generated(self) -> int:

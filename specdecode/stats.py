@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class GenerationStats:
     method: str = "none"
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, taken from the prefix cache instead of read (prefix_cache.py)
     new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

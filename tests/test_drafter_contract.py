@@ -230,3 +230,34 @@ def test_a_prompt_read_in_chunks_decodes_as_one_read_whole(pair, w4a8_engine, me
         whole, chunked = decoded(ids, None), decoded(ids, 3)
         assert whole[0] == 1 and chunked[0] == -(-len(ids) // 3) > 1
         assert chunked[1:] == whole[1:], f"{method} {options} on {prompt!r}"
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_a_prompt_taken_from_the_prefix_cache_decodes_as_one_read_whole(pair, w4a8_engine, method, options):
+    """A chat's second turn begins with its first turn and answer: the prefix cache (prefix_cache.py) gives it
+    those rows' keys and values, and the prompt rows' hidden states to a drafter that reads them, so it drafts the
+    same tokens and the output is bitwise the same (w4a8 target; fresh engines, both given the first turn)."""
+    spec = SpecConfig(method, num_draft_tokens=3, options=options, guard=False)
+    first_turn = w4a8_engine.encode(PROMPTS[0])
+
+    def decoded(engine: Engine, ids: list[int]) -> tuple[list[int], int, int, int]:
+        seq = engine.start(ids, greedy(12), spec)
+        while seq.generated < 12:
+            engine.step(seq)
+        engine.finish(seq)
+        stats = seq.stats
+        return seq.tokens[seq.prompt_len:][:12], stats.drafted_tokens, stats.accepted_tokens, stats.cached_prompt_tokens
+
+    def fresh(prefix_cache_bytes: int = 0) -> Engine:
+        return Engine(w4a8_engine.target, w4a8_engine.draft, draft_path=pair[3], prefix_cache_bytes=prefix_cache_bytes)
+
+    cached, uncached = fresh(2**24), fresh()  # both run the first turn: suffix decoding learns from it
+    answer = decoded(cached, first_turn)[0]
+    assert decoded(uncached, first_turn)[0] == answer
+    second_turn = first_turn + answer + w4a8_engine.encode(PROMPTS[1], raw=True)
+    reused, whole = decoded(cached, second_turn), decoded(uncached, second_turn)
+    reads_hidden = bool(cached.drafter(spec).caps.hidden_layers or cached.drafter(spec).caps.final_hidden)
+    # a drafter that reads hidden states reuses the first prompt's rows (whose states were kept), others all
+    assert reused[3] == (len(first_turn) if reads_hidden else len(first_turn) + len(answer) - 1)
+    assert whole[3] == 0
+    assert reused[:3] == whole[:3], f"{method} {options}"

@@ -1,0 +1,127 @@
+"""The target's KV cache of ended requests, kept so that a later prompt starting with the same tokens reads only
+what is new (llama.cpp's `cache_prompt`, vLLM's automatic prefix caching).
+
+A chat client sends the whole conversation every turn, and an agent the same long instructions every call:
+without this, each request reads all of it again (about a second per 150 tokens on 2 cores). An entry keeps a
+request's keys and values for every token that went through the target (prompt and answer) and, when its
+drafter reads the target's hidden states, those of the prompt's rows, so a later drafter starts from the inputs
+a whole read would give it. A hit needs those states only if the new request's drafter reads them: there it
+reuses at most the entry's prompt rows.
+
+What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
+share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
+shape, so tokens may differ at near-ties, as with chunked prefill. Entries are dropped least recently used first
+to stay within the byte budget; an entry whose tokens begin a newer one (the same chat, a turn later) is
+dropped for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import DrafterCaps
+from specdecode.errors import SpecDecodeError
+from specdecode.models.kv_cache import KVCache
+from specdecode.spec_types import Sequence, TargetOutput
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    tokens: torch.Tensor  # [n] long: the token each cached slot was written for, at position = slot
+    keys: torch.Tensor  # [L, Hkv, n, D]
+    values: torch.Tensor  # [L, Hkv, n, D]
+    hidden: dict[int, torch.Tensor]  # boundary id -> [h, H]: the states the request's drafter read, prompt rows
+    final_hidden: torch.Tensor | None  # [h, H] or None when that drafter read none
+
+    @property
+    def hidden_rows(self) -> int:
+        """h: the first rows whose hidden states the entry kept."""
+        states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
+        return states[0].shape[0] if states else 0
+
+    @property
+    def nbytes(self) -> int:
+        states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
+        return self.tokens.nbytes + self.keys.nbytes + self.values.nbytes + sum(s.nbytes for s in states)
+
+    def reusable_rows(self, caps: DrafterCaps) -> int:
+        """Rows a request whose drafter has `caps` may take: all, or the prompt rows whose states it reads."""
+        if not caps.hidden_layers and not caps.final_hidden:
+            return self.tokens.numel()
+        has_states = set(caps.hidden_layers) <= self.hidden.keys() and (
+            not caps.final_hidden or self.final_hidden is not None)
+        return self.hidden_rows if has_states else 0
+
+
+class PrefixCache:
+    def __init__(self, capacity_bytes: int):
+        if type(capacity_bytes) is not int or capacity_bytes < 1:
+            raise SpecDecodeError(f"the prefix cache's budget must be a positive number of bytes, got "
+                                  f"{capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: list[PrefixEntry] = []  # least recently used first
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self._entries)
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def restore(self, prompt: list[int], caps: DrafterCaps, cache: KVCache) -> TargetOutput | None:
+        """Write the longest cached prefix of `prompt` into `cache` (a new request's, empty); -> what a prefill
+        of those rows would have given its drafter (their hidden states; no logits), or None for no hit. The
+        prompt's last token is always left to read: its logits sample the first token."""
+        entry, length = self._longest_match(prompt[:-1], caps)
+        if entry is None:
+            return None
+        self._entries.remove(entry)
+        self._entries.append(entry)
+        cache.keys[:, 0, :, :length] = entry.keys[:, :, :length]
+        cache.values[:, 0, :, :length] = entry.values[:, :, :length]
+        cache.positions[0, :length] = torch.arange(length, device=cache.positions.device)
+        cache.lengths[0] = length
+        hidden = {layer: entry.hidden[layer][:length] for layer in caps.hidden_layers}  # [length, H] each
+        final = entry.final_hidden[:length] if caps.final_hidden else None  # [length, H]
+        return TargetOutput(torch.empty(0, 0), hidden, final)
+
+    def _longest_match(self, tokens: list[int], caps: DrafterCaps) -> tuple[PrefixEntry | None, int]:
+        query = torch.tensor(tokens, dtype=torch.long)  # [P - 1]
+        best, best_length = None, 0
+        for entry in self._entries:
+            length = _common_prefix(entry.tokens, query, entry.reusable_rows(caps))
+            if length > best_length:
+                best, best_length = entry, length
+        return best, best_length
+
+    def store(self, seq: Sequence, prompt_states: TargetOutput | None) -> None:
+        """Keep what `seq`'s cache holds (every token but the last, which the target has not read) with the
+        prompt's hidden states (`prompt_states`, None when its drafter read none)."""
+        length = seq.cache.lengths[0]
+        tokens = torch.tensor(seq.tokens[:length], dtype=torch.long)  # [n]
+        hidden = {} if prompt_states is None else {k: v.clone() for k, v in prompt_states.hidden.items()}
+        final = None if prompt_states is None or prompt_states.final_hidden is None else (
+            prompt_states.final_hidden.clone())
+        keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
+        new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final)
+        for entry in list(self._entries):
+            common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
+            if common == length and entry.hidden_rows >= new.hidden_rows:
+                return  # an entry already holds all of it
+            if common == entry.tokens.numel() and new.hidden_rows >= entry.hidden_rows:
+                self._entries.remove(entry)  # the new one holds all of that one
+        if new.nbytes > self.capacity_bytes:
+            return
+        while self.nbytes + new.nbytes > self.capacity_bytes:
+            self._entries.pop(0)
+        self._entries.append(new)
+
+
+def _common_prefix(cached: torch.Tensor, query: torch.Tensor, limit: int) -> int:
+    """How many leading tokens of `cached` [n] and `query` [m] agree, counting at most `limit`."""
+    length = min(limit, cached.numel(), query.numel())
+    differ = (cached[:length] != query[:length]).nonzero()  # [d, 1]
+    return length if differ.numel() == 0 else int(differ[0, 0])

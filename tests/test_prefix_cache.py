@@ -1,0 +1,120 @@
+"""Ended requests' KV caches reused by later prompts with the same beginning (prefix_cache.py): what a hit puts
+in the cache is what reading the prompt whole would, entries stay within their budget, a chat's later turn
+replaces its earlier entry, and a client can ask for a cold read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from mtp_reference import add_mtp_layers
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import load_model
+from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+from specdecode.prefix_cache import PrefixCache
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    reason = w4a8_unavailable()
+    if reason is not None:
+        pytest.skip(f"w4a8 cannot run on this machine: {reason}")
+    folder = save_tiny_model(tmp_path_factory.mktemp("prefix-cache") / "target", "qwen2", scale=0.15)
+    return load_model(folder, dtype="bfloat16", quant="w4a8")
+
+
+def answered(engine: Engine, ids: list[int], spec: SpecConfig = SpecConfig("none")) -> list[int]:
+    seq = engine.start(ids, GREEDY, spec)
+    while seq.generated < GREEDY.max_tokens:
+        engine.step(seq)
+    engine.finish(seq)
+    return seq.tokens[seq.prompt_len:]
+
+
+def test_a_hit_fills_the_cache_as_reading_the_prompt_whole_does(target):
+    """Bitwise on a w4a8 target: keys, values and positions of every prompt row, and the first token's logits."""
+    cached = Engine(target, prefix_cache_bytes=2**24)
+    first = cached.encode("The quick brown fox")
+    second = first + answered(cached, first) + cached.encode(" jumps over", raw=True)
+    hit = cached.begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3), SpecConfig("none"))
+    cold = Engine(target).begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3),
+                                SpecConfig("none"))
+    assert hit.seq.stats.cached_prompt_tokens == len(first) + GREEDY.max_tokens - 1
+    assert hit.read == hit.seq.stats.cached_prompt_tokens and cold.read == 0
+    hit.run()
+    cold.run()
+    length = len(second)
+    assert hit.seq.cache.lengths == cold.seq.cache.lengths == [length]
+    assert torch.equal(hit.seq.cache.keys[:, :, :, :length], cold.seq.cache.keys[:, :, :, :length])
+    assert torch.equal(hit.seq.cache.values[:, :, :, :length], cold.seq.cache.values[:, :, :, :length])
+    assert torch.equal(hit.seq.cache.positions[:, :length], cold.seq.cache.positions[:, :length])
+    assert hit.seq.tokens == cold.seq.tokens and hit.seq.logprobs == cold.seq.logprobs
+
+
+def test_the_same_prompt_again_reads_only_its_last_token(target):
+    engine = Engine(target, prefix_cache_bytes=2**24)
+    ids = engine.encode("hello hello hello")
+    assert engine.complete(ids, GREEDY).stats.cached_prompt_tokens == 0
+    again = engine.complete(ids, GREEDY)
+    assert again.stats.cached_prompt_tokens == len(ids) - 1  # its logits sample the first token
+    assert again.token_ids == Engine(target).complete(ids, GREEDY).token_ids
+
+
+def test_a_client_may_ask_for_a_cold_read(target):
+    engine = Engine(target, prefix_cache_bytes=2**24)
+    ids = engine.encode("hello hello hello")
+    answered(engine, ids)
+    prefill = engine.begin(ids, GREEDY, SpecConfig("none"), reuse_prefix=False)
+    assert prefill.read == 0 and prefill.seq.stats.cached_prompt_tokens == 0
+
+
+def test_a_chats_later_turn_replaces_its_earlier_entry(target):
+    engine = Engine(target, prefix_cache_bytes=2**24)
+    turn = engine.encode("abcabcabc abcabc")
+    for _ in range(3):
+        turn = turn + answered(engine, turn) + engine.encode(" and again", raw=True)
+        assert engine.prefix_cache.entries == 1  # the prompt's entry at start, then prompt and answer at the end
+    ended = engine.prefix_cache._entries[0]
+    assert ended.tokens.numel() == len(turn) - len(engine.encode(" and again", raw=True)) - 1
+
+
+def test_entries_stay_within_the_budget_least_recently_used_first_out(target):
+    probe = Engine(target, prefix_cache_bytes=2**24)
+    prompts = [probe.encode(text, raw=True) for text in ("aaa bbb ccc", "ddd eee fff", "ggg hhh iii")]
+    answered(probe, prompts[0])
+    budget = probe.prefix_cache.nbytes * 2 + 1  # two such entries, not three
+    engine = Engine(target, prefix_cache_bytes=budget)
+    for ids in prompts:
+        answered(engine, ids)
+        assert engine.prefix_cache.nbytes <= budget
+    assert engine.prefix_cache.entries == 2
+    assert engine.complete(prompts[0], GREEDY).stats.cached_prompt_tokens == 0  # the oldest went first
+    assert engine.complete(prompts[2], GREEDY).stats.cached_prompt_tokens == len(prompts[2]) - 1
+
+
+def test_a_drafter_that_reads_hidden_states_reuses_only_rows_whose_states_were_kept(target, tmp_path):
+    """An entry made by a request whose drafter read no hidden states gives MTP nothing; one made by MTP gives
+    it the prompt rows (the answer's states are not kept)."""
+    folder = save_tiny_model(tmp_path / "mtp-target", "qwen2", scale=0.15)
+    add_mtp_layers(folder, "deepseek", follow=1.0)
+    engine = Engine(load_model(folder, dtype="bfloat16", quant="w4a8"), prefix_cache_bytes=2**24)
+    first = engine.encode("1 2 3 1 2 3 1 2")
+    plain_answer = answered(engine, first)
+    second = first + plain_answer + engine.encode(" 3", raw=True)
+    assert engine.begin(second, GREEDY, SpecConfig("mtp")).seq.stats.cached_prompt_tokens == 0
+    answered(engine, first, SpecConfig("mtp"))
+    assert engine.begin(second, GREEDY, SpecConfig("mtp")).seq.stats.cached_prompt_tokens == len(first)
+    # the MTP entry replaced the plain one (it holds the same tokens and more states): all of it serves plain
+    kept = len(first) + len(plain_answer) - 1  # the answer's last token never went through the target
+    assert engine.prefix_cache.entries == 1
+    assert engine.begin(second, GREEDY, SpecConfig("none")).seq.stats.cached_prompt_tokens == kept
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "512"])
+def test_a_budget_that_is_not_a_positive_byte_count_is_one_clear_error(budget):
+    with pytest.raises(SpecDecodeError, match="prefix cache"):
+        PrefixCache(budget)
