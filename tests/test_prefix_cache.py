@@ -4,16 +4,21 @@ replaces its earlier entry, and a client can ask for a cold read."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import save_tiny_model
 from mtp_reference import add_mtp_layers
+from test_server import MODEL, SETTINGS, running
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.cli.serve import parse_size_or_off
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 from specdecode.prefix_cache import PrefixCache
+from specdecode.server.app import create_app
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -118,3 +123,39 @@ def test_a_drafter_that_reads_hidden_states_reuses_only_rows_whose_states_were_k
 def test_a_budget_that_is_not_a_positive_byte_count_is_one_clear_error(budget):
     with pytest.raises(SpecDecodeError, match="prefix cache"):
         PrefixCache(budget)
+
+
+def test_the_server_reuses_a_chats_earlier_turn_and_says_how_many_tokens_it_took(target):
+    """Through the server: the second turn's usage names the cached tokens, its answer is what a server without
+    a cache gives, a request with cache_prompt false reads its whole prompt, and /metrics shows the cache."""
+    first = [{"role": "user", "content": "hello hello hello"}]
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def chat(server, messages, **extra) -> tuple[str, int]:
+        status, answer = server.post("/v1/chat/completions", {**body, **extra, "messages": messages})
+        assert status == 200, answer
+        return answer["choices"][0]["message"]["content"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    settings = replace(SETTINGS, spec=SpecConfig("ngram"))
+    with running(create_app(Engine(target), settings)) as server:
+        reply, cached = chat(server, first)
+        assert cached == 0
+        second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "and again"}]
+        cold_answer = chat(server, second)
+    with running(create_app(Engine(target, prefix_cache_bytes=2**24), settings)) as server:
+        assert chat(server, first) == (reply, 0)
+        answer, cached = chat(server, second)
+        # at least the first turn's prompt (the tiny model's bytes are not UTF-8, so its reply's text does not
+        # encode back to the same tokens; tests above reuse answers token for token)
+        assert answer == cold_answer[0] and cached >= len(Engine(target).encode(first))
+        assert chat(server, second, cache_prompt=False) == (cold_answer[0], 0)
+        _, _, metrics = server.request("GET", "/metrics")
+    lines = {line.split()[0]: float(line.split()[1]) for line in metrics.decode().splitlines()
+             if line and not line.startswith("#")}
+    assert lines["specdecode_prefix_cache_bytes"] > 0 and lines["specdecode_prefix_cache_entries"] >= 1
+    assert lines["specdecode_prompt_tokens_cached_total"] == cached
+
+
+@pytest.mark.parametrize(("text", "size"), [("512M", 512 * 2**20), ("1.5G", 3 * 2**29), ("off", 0), ("0", 0)])
+def test_serve_reads_the_prefix_cache_budget_as_a_size_or_off(text, size):
+    assert parse_size_or_off(text) == size

@@ -5,8 +5,8 @@ token and inter-token latency percentiles (gaps between streamed chunks, each ch
 requests per second. Every server gets the same prompts in the same order, streamed chat completions with the
 same sampling; a server's speculation is whatever it runs (ours can be told per request, `spec=METHOD`).
 
-Prompts are cold by default: every request carries `"cache_prompt": false`, which tells llama.cpp's server not to
-reuse the KV of a prompt it saw before (other servers ignore the field; ours keeps no prompt cache). The same
+Prompts are cold by default: every request carries `"cache_prompt": false`, which tells llama.cpp's server and
+ours not to reuse the KV of a prompt seen before (vLLM and SGLang ignore the field). The same
 prompts go out at each concurrency, and with its cache on llama.cpp answered the second time round in 210-418 ms
 against 1165 ms cold (docs/benchmarks, 2026-12-03 at load): that measured its cache, not its scheduling. A peer
 written with `cache=on` leaves the server's prompt cache to its own settings. vLLM's and SGLang's prefix caches are
@@ -165,7 +165,7 @@ def format_row(r: LoadResult) -> str:
 def report(results: list[LoadResult], sampling: SamplingParams, prompts: int) -> str:
     cached = sorted({r.server for r in results if r.prompt_cache})
     caches = f"prompts cold (`cache_prompt: false`) except to {', '.join(cached)}" if cached else "prompts cold " \
-        "(`cache_prompt: false`, which llama.cpp's server honours)"
+        "(`cache_prompt: false`, which llama.cpp's server and ours honour)"
     lines = ["# Servers at load", "",
              f"{prompts} prompts (first turns), max_tokens {sampling.max_tokens}, temperature "
              f"{sampling.temperature}; each client sends its next prompt when its answer ends; {caches}.", "",

@@ -47,7 +47,7 @@ def add_parser(commands) -> None:
                        help="load mode: run the --peer servers (no model loads here) with this many concurrent "
                        "clients each, comma-separated (e.g. 1,2,4,8,16); a peer may add ',spec=METHOD' to send "
                        "our server a per-request method (spec=none: plain decoding), and ',cache=on' to let "
-                       "llama.cpp reuse prompts it has seen (off by default: cold prompts)")
+                       "llama.cpp or ours reuse prompts they have seen (off by default: cold prompts)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
     bench.add_argument("--out", help="folder for results.json, report.md and plots")
     add_model_args(bench)

@@ -67,6 +67,11 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def parse_size_or_off(text: str) -> int:
+    """A size as parse_size reads it, or 0 / off for none -> bytes."""
+    return 0 if text.strip().lower() in ("0", "off") else parse_size(text)
+
+
 def add_parser(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
     add_model_args(serve)
@@ -95,6 +100,11 @@ def add_parser(commands) -> None:
     serve.add_argument("--kv-memory", type=parse_size,
                        help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
                        "that would not fit waits in the queue (default: no bound beyond --max-active)")
+    serve.add_argument("--prefix-cache", type=parse_size_or_off, default="512M",
+                       help="memory for ended requests' KV caches: a prompt that begins as an earlier one did (a "
+                       "chat's next turn, a shared system prompt) reads only what is new; least recently used "
+                       "out first; a request's cache_prompt: false reads all of it (default 512M; 0 or off: "
+                       "none)")
     serve.add_argument("--prefill-chunk", type=int, default=32,
                        help="while requests decode in a batch, read an arriving prompt this many tokens at a time, "
                        "one chunk between two steps, so they wait for a chunk, not a whole prompt (0: whole "
@@ -132,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                                                args.allow_draft_override)
         target, draft = load_models(args, draft_name)
         engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
-                        draft_quant=draft_quant(args))
+                        draft_quant=draft_quant(args), prefix_cache_bytes=args.prefix_cache)
         settings = ServerSettings(
             model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,

@@ -80,7 +80,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def prometheus() -> Response:
         head = engine.drafter_weights_bytes()
         body = metrics.render(*scheduler.load, weights | ({"drafter": head} if head else {}),
-                              engine.drafter_cache_bytes(), scheduler.kv_bytes, settings.kv_memory)
+                              engine.drafter_cache_bytes(), scheduler.kv_bytes, settings.kv_memory,
+                              engine.prefix_cache)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -191,7 +192,8 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:  # a message's content parts
         raise APIError(400, str(error), param="messages") from None
-    return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop())
+    return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),
+               reuse_prefix=body.cache_prompt is not False)
 
 
 async def next_event(job: Job) -> GenerationEvent:

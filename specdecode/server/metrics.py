@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specdecode.prefix_cache import PrefixCache
 from specdecode.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,6 +17,9 @@ class ServerMetrics:
         self.requests = Counter("specdecode_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.cached_prompt_tokens = Counter("specdecode_prompt_tokens_cached",
+                                            "Of them, taken from the prefix cache instead of read",
+                                            registry=self.registry)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=self.registry)
         self.drafted = Counter("specdecode_spec_drafted_tokens", "Draft tokens proposed", registry=self.registry)
         self.accepted = Counter("specdecode_spec_accepted_tokens", "Draft tokens accepted", registry=self.registry)
@@ -48,11 +52,17 @@ class ServerMetrics:
                               registry=self.registry)
         self.kv_budget = Gauge("specdecode_kv_cache_budget_bytes",
                                "The server's budget for those caches (--kv-memory; 0: none)", registry=self.registry)
+        self.prefix_cache = Gauge("specdecode_prefix_cache_bytes",
+                                  "Memory the prefix cache holds: ended requests' keys and values (--prefix-cache)",
+                                  registry=self.registry)
+        self.prefix_cache_entries = Gauge("specdecode_prefix_cache_entries", "Prompts the prefix cache holds",
+                                          registry=self.registry)
         self.active = Gauge("specdecode_active_requests", "Requests being generated", registry=self.registry)
         self.queued = Gauge("specdecode_queued_requests", "Requests waiting for a slot", registry=self.registry)
 
     def record_generation(self, stats: GenerationStats, ttft: float, total: float) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted_tokens)
         self.accepted.inc(stats.accepted_tokens)
@@ -67,9 +77,12 @@ class ServerMetrics:
             self.time_per_output_token.observe((total - ttft) / (stats.new_tokens - 1))
 
     def render(self, active: int, queued: int, weights: dict[str, int], drafter_caches: int, kv_cache: int,
-               kv_budget: int | None) -> bytes:
+               kv_budget: int | None, prefix_cache: PrefixCache | None) -> bytes:
         """`weights`: model role -> bytes; `drafter_caches`: bytes of the caches that outlive requests;
-        `kv_cache`: bytes of the active requests' target KV caches, `kv_budget` their bound (None: none)."""
+        `kv_cache`: bytes of the active requests' target KV caches, `kv_budget` their bound (None: none);
+        `prefix_cache`: the engine's (None: it keeps none)."""
+        self.prefix_cache.set(0 if prefix_cache is None else prefix_cache.nbytes)
+        self.prefix_cache_entries.set(0 if prefix_cache is None else prefix_cache.entries)
         self.kv_cache.set(kv_cache)
         self.kv_budget.set(kv_budget or 0)
         self.active.set(active)

@@ -58,6 +58,9 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride | None = None
     ignore_eos: bool | None = False
+    cache_prompt: bool | None = Field(default=True, description="take the keys and values of the prompt's "
+                                      "beginning from an earlier request when the server kept them (--prefix-cache; "
+                                      "llama.cpp's field); false: read the whole prompt")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -97,7 +97,8 @@ def _finite(logprob: float) -> float:
 
 def usage(stats: GenerationStats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
 
 def speculative(stats: GenerationStats) -> dict:

@@ -53,6 +53,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # GenerationEvent | SpecDecodeError | None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    reuse_prefix: bool = True  # the prompt's beginning may come from the engine's prefix cache
 
     def send(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -199,7 +200,7 @@ class Scheduler:
                     return
                 began = time.perf_counter()
                 prefill = self.engine.begin(self.engine.encode(job.prompt_ids), job.sampling, job.spec,
-                                            self.prefill_chunk)
+                                            self.prefill_chunk, job.reuse_prefix)
             except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
                 job.send(error)
                 self._release()
