@@ -101,6 +101,8 @@ class PrefixCache:
         """Keep what `seq`'s cache holds (every token but the last, which the target has not read) with the
         prompt's hidden states (`prompt_states`, None when its drafter read none)."""
         length = seq.cache.lengths[0]
+        if length != len(seq.tokens) - 1:  # a step failed between its forward and its commit: rows not kept
+            return
         tokens = torch.tensor(seq.tokens[:length], dtype=torch.long)  # [n]
         hidden = {} if prompt_states is None else {k: v.clone() for k, v in prompt_states.hidden.items()}
         final = None if prompt_states is None or prompt_states.final_hidden is None else (

@@ -45,7 +45,8 @@ def test_a_hit_fills_the_cache_as_reading_the_prompt_whole_does(target):
     cached = Engine(target, prefix_cache_bytes=2**24)
     first = cached.encode("The quick brown fox")
     second = first + answered(cached, first) + cached.encode(" jumps over", raw=True)
-    hit = cached.begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3), SpecConfig("none"))
+    hit = cached.begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3), SpecConfig("none"),
+                       chunk=3)  # the rest read in chunks, as the server does while others decode
     cold = Engine(target).begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3),
                                 SpecConfig("none"))
     assert hit.seq.stats.cached_prompt_tokens == len(first) + GREEDY.max_tokens - 1
@@ -85,6 +86,17 @@ def test_a_chats_later_turn_replaces_its_earlier_entry(target):
         assert engine.prefix_cache.entries == 1  # the prompt's entry at start, then prompt and answer at the end
     ended = engine.prefix_cache._entries[0]
     assert ended.tokens.numel() == len(turn) - len(engine.encode(" and again", raw=True)) - 1
+
+
+def test_a_request_whose_step_failed_after_its_forward_leaves_nothing_of_that_step(target):
+    """Rows a failed step wrote but never committed must not be offered to later prompts."""
+    engine = Engine(target, prefix_cache_bytes=2**24)
+    ids = engine.encode("hello hello hello")
+    seq = engine.start(ids, GREEDY, SpecConfig("none"))
+    engine.step(seq)
+    seq.cache.advance(3)  # as a verify forward that raised before its commit leaves the cache
+    engine.finish(seq)
+    assert engine.prefix_cache.entries == 1 and engine.prefix_cache._entries[0].tokens.numel() == len(ids)
 
 
 def test_entries_stay_within_the_budget_least_recently_used_first_out(target):

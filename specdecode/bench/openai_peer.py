@@ -95,6 +95,7 @@ def stream_chat(url: str, body: dict) -> tuple[str, dict]:
                         arrivals.append(perf_counter())
                         pieces.append(delta)
                 if chunk.get("usage"):
+                    info["usage"] = chunk["usage"]
                     info["completion_tokens"] = chunk["usage"].get("completion_tokens", len(arrivals))
                 for key in ("timings", "speculative"):
                     if key in chunk:
