@@ -227,8 +227,9 @@ class Engine:
         self.batch_budget.observe_start(seq, seq.stats.drafter_prefill_seconds)
         seq.stats.prefill_seconds = target_seconds + seq.stats.drafter_prefill_seconds
         if self.prefix_cache is not None:  # now, so that requests arriving while this one decodes reuse it
-            seq.prompt_states = TargetOutput(prefill.logits[:0], prefill.hidden, prefill.final_hidden)
-            self.prefix_cache.store(seq, seq.prompt_states)
+            if seq.drafter.caps.hidden_layers or seq.drafter.caps.final_hidden:
+                seq.read_states.append(_states_of(prefill, seq.drafter))
+            self.prefix_cache.store(seq)
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
@@ -302,6 +303,8 @@ class Engine:
         seq.tokens.extend(result.tokens)
         accepted_path = out.rows(result.kept_rows)
         seq.drafter.commit(seq, result, accepted_path)
+        if seq.read_states:
+            seq.read_states.append(_states_of(accepted_path, seq.drafter))
         self._record_logprobs(seq, accepted_path.logits, result.tokens)
         depth = proposal_depth(proposal)
         seq.draft_length.update(depth, result.num_accepted)
@@ -330,7 +333,7 @@ class Engine:
         keeps what the target read (prompt and answer: a chat's next turn begins with both)."""
         self._record_request_end(seq)
         if self.prefix_cache is not None and seq.generated:
-            self.prefix_cache.store(seq, seq.prompt_states)
+            self.prefix_cache.store(seq)
         seq.drafter.finish(seq)
         seq.stats.drafter_cache_bytes = seq.drafter.cache_bytes()
 
@@ -372,3 +375,12 @@ class Engine:
         """Only when the request asks: row i of logits [len(tokens), V] is the distribution tokens[i] came from."""
         if seq.sampling.logprobs is not None:
             seq.logprobs.extend(token_logprobs(logits, tokens, seq.sampling.logprobs))
+
+
+def _states_of(out: TargetOutput, drafter: Drafter) -> TargetOutput:
+    """The hidden states `drafter` reads of `out`'s rows, copied (a step's rows are views of a forward whose logits
+    are [T, V]: keeping a view would keep those), with no logits."""
+    caps = drafter.caps
+    hidden = {layer: out.hidden[layer].clone() for layer in caps.hidden_layers}  # [T', H] each
+    final = out.final_hidden.clone() if caps.final_hidden else None  # [T', H]
+    return TargetOutput(torch.empty(0), hidden, final)

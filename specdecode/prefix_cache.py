@@ -4,9 +4,8 @@ what is new (llama.cpp's `cache_prompt`, vLLM's automatic prefix caching).
 A chat client sends the whole conversation every turn, and an agent the same long instructions every call:
 without this, each request reads all of it again (about a second per 150 tokens on 2 cores). An entry keeps a
 request's keys and values for every token that went through the target (prompt and answer) and, when its
-drafter reads the target's hidden states, those of the prompt's rows, so a later drafter starts from the inputs
-a whole read would give it. A hit needs those states only if the new request's drafter reads them: there it
-reuses at most the entry's prompt rows.
+drafter reads the target's hidden states, those of the same rows, so a later drafter starts from the inputs a
+whole read would give it. A request whose drafter reads states takes only entries that kept those states.
 
 What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
 share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
@@ -32,27 +31,21 @@ class PrefixEntry:
     tokens: torch.Tensor  # [n] long: the token each cached slot was written for, at position = slot
     keys: torch.Tensor  # [L, Hkv, n, D]
     values: torch.Tensor  # [L, Hkv, n, D]
-    hidden: dict[int, torch.Tensor]  # boundary id -> [h, H]: the states the request's drafter read, prompt rows
-    final_hidden: torch.Tensor | None  # [h, H] or None when that drafter read none
-
-    @property
-    def hidden_rows(self) -> int:
-        """h: the first rows whose hidden states the entry kept."""
-        states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
-        return states[0].shape[0] if states else 0
+    hidden: dict[int, torch.Tensor]  # boundary id -> [n, H]: the states the request's drafter read, every row
+    final_hidden: torch.Tensor | None  # [n, H] or None when that drafter read none
 
     @property
     def nbytes(self) -> int:
         states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
         return self.tokens.nbytes + self.keys.nbytes + self.values.nbytes + sum(s.nbytes for s in states)
 
+    def has_states(self, layers, final: bool) -> bool:
+        """Whether the entry kept the hidden states of these boundary ids (and the final ones, if `final`)."""
+        return set(layers) <= self.hidden.keys() and (not final or self.final_hidden is not None)
+
     def reusable_rows(self, caps: DrafterCaps) -> int:
-        """Rows a request whose drafter has `caps` may take: all, or the prompt rows whose states it reads."""
-        if not caps.hidden_layers and not caps.final_hidden:
-            return self.tokens.numel()
-        has_states = set(caps.hidden_layers) <= self.hidden.keys() and (
-            not caps.final_hidden or self.final_hidden is not None)
-        return self.hidden_rows if has_states else 0
+        """Rows a request whose drafter has `caps` may take: all, or none if it lacks the states it reads."""
+        return self.tokens.numel() if self.has_states(caps.hidden_layers, caps.final_hidden) else 0
 
 
 class PrefixCache:
@@ -97,23 +90,25 @@ class PrefixCache:
                 best, best_length = entry, length
         return best, best_length
 
-    def store(self, seq: Sequence, prompt_states: TargetOutput | None) -> None:
+    def store(self, seq: Sequence) -> None:
         """Keep what `seq`'s cache holds (every token but the last, which the target has not read) with the
-        prompt's hidden states (`prompt_states`, None when its drafter read none)."""
+        hidden states its drafter read of those rows (`seq.read_states`)."""
         length = seq.cache.lengths[0]
         if length != len(seq.tokens) - 1:  # a step failed between its forward and its commit: rows not kept
             return
         tokens = torch.tensor(seq.tokens[:length], dtype=torch.long)  # [n]
-        hidden = {} if prompt_states is None else {k: v.clone() for k, v in prompt_states.hidden.items()}
-        final = None if prompt_states is None or prompt_states.final_hidden is None else (
-            prompt_states.final_hidden.clone())
+        states = seq.read_states
+        hidden = {layer: torch.cat([part.hidden[layer] for part in states]) for layer in states[0].hidden} if (
+            states) else {}  # [n, H] each
+        final = torch.cat([part.final_hidden for part in states]) if states and (
+            states[0].final_hidden is not None) else None  # [n, H]
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final)
         for entry in list(self._entries):
             common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
-            if common == length and entry.hidden_rows >= new.hidden_rows:
+            if common == length and entry.has_states(new.hidden, new.final_hidden is not None):
                 return  # an entry already holds all of it
-            if common == entry.tokens.numel() and new.hidden_rows >= entry.hidden_rows:
+            if common == entry.tokens.numel() and new.has_states(entry.hidden, entry.final_hidden is not None):
                 self._entries.remove(entry)  # the new one holds all of that one
         if new.nbytes > self.capacity_bytes:
             return

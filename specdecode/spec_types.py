@@ -45,9 +45,9 @@ class Sequence:
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
     # One per generated token when sampling.logprobs asks for them (logprobs.py), else empty.
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    # The prompt's hidden states its drafter read, kept until the request ends for the prefix cache (None when
-    # the engine has none).
-    prompt_states: TargetOutput | None = None
+    # For the prefix cache: the hidden states the drafter read of every row in `cache`, in order (the prompt's,
+    # then each step's kept rows); empty when the engine keeps no prefix cache or the drafter reads none.
+    read_states: list[TargetOutput] = field(default_factory=list)
 
     @property
     def generated(self) -> int:

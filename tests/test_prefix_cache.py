@@ -113,9 +113,9 @@ def test_entries_stay_within_the_budget_least_recently_used_first_out(target):
     assert engine.complete(prompts[2], GREEDY).stats.cached_prompt_tokens == len(prompts[2]) - 1
 
 
-def test_a_drafter_that_reads_hidden_states_reuses_only_rows_whose_states_were_kept(target, tmp_path):
-    """An entry made by a request whose drafter read no hidden states gives MTP nothing; one made by MTP gives
-    it the prompt rows (the answer's states are not kept)."""
+def test_a_drafter_that_reads_hidden_states_reuses_only_entries_that_kept_them(target, tmp_path):
+    """An entry made by a request whose drafter read no hidden states gives MTP nothing; one made by MTP gives it
+    every row, the answer's too, and serves a plain request as well."""
     folder = save_tiny_model(tmp_path / "mtp-target", "qwen2", scale=0.15)
     add_mtp_layers(folder, "deepseek", follow=1.0)
     engine = Engine(load_model(folder, dtype="bfloat16", quant="w4a8"), prefix_cache_bytes=2**24)
@@ -123,12 +123,38 @@ def test_a_drafter_that_reads_hidden_states_reuses_only_rows_whose_states_were_k
     plain_answer = answered(engine, first)
     second = first + plain_answer + engine.encode(" 3", raw=True)
     assert engine.begin(second, GREEDY, SpecConfig("mtp")).seq.stats.cached_prompt_tokens == 0
-    answered(engine, first, SpecConfig("mtp"))
-    assert engine.begin(second, GREEDY, SpecConfig("mtp")).seq.stats.cached_prompt_tokens == len(first)
-    # the MTP entry replaced the plain one (it holds the same tokens and more states): all of it serves plain
+    assert answered(engine, first, SpecConfig("mtp")) == plain_answer
     kept = len(first) + len(plain_answer) - 1  # the answer's last token never went through the target
-    assert engine.prefix_cache.entries == 1
-    assert engine.begin(second, GREEDY, SpecConfig("none")).seq.stats.cached_prompt_tokens == kept
+    assert engine.prefix_cache.entries == 1  # the MTP entry replaced the plain one: same tokens, more states
+    for method in ("mtp", "none"):
+        assert engine.begin(second, GREEDY, SpecConfig(method)).seq.stats.cached_prompt_tokens == kept
+
+
+def test_a_drafter_started_from_a_hit_gets_the_states_a_whole_read_gives(target, tmp_path, monkeypatch):
+    """Bitwise on a w4a8 target: every row's hidden states MTP starts from, the first turn's answer rows included
+    (they come from its verify forwards, kept as its steps committed them)."""
+    folder = save_tiny_model(tmp_path / "mtp-target", "qwen2", scale=0.15)
+    add_mtp_layers(folder, "deepseek", follow=1.0)
+    mtp_target = load_model(folder, dtype="bfloat16", quant="w4a8")
+    spec = SpecConfig("mtp", num_draft_tokens=2)
+
+    def started_with(engine: Engine, ids: list[int]):
+        seen = []
+        drafter = engine.drafter(spec)
+        start = drafter.start
+        monkeypatch.setattr(drafter, "start", lambda seq, prefill: seen.append(prefill) or start(seq, prefill))
+        reused = engine.start(ids, GREEDY, spec).stats.cached_prompt_tokens
+        return seen[0], reused
+
+    cached = Engine(mtp_target, prefix_cache_bytes=2**24)
+    first = cached.encode("1 2 3 1 2 3 1 2")
+    second = first + answered(cached, first, spec) + cached.encode(" 3", raw=True)
+    (hit, reused), (cold, _) = started_with(cached, second), started_with(Engine(mtp_target), second)
+    assert reused == len(second) - 3 and hit.final_hidden.shape[0] == len(second)  # unread: " 3", the answer's last
+    assert torch.equal(hit.final_hidden, cold.final_hidden)
+    assert hit.hidden.keys() == cold.hidden.keys()
+    assert all(torch.equal(hit.hidden[layer], cold.hidden[layer]) for layer in hit.hidden)
+    assert torch.equal(hit.logits, cold.logits)
 
 
 @pytest.mark.parametrize("budget", [-1, 1.5, "512"])
