@@ -97,11 +97,11 @@ class PrefixCache:
         if length != len(seq.tokens) - 1:  # a step failed between its forward and its commit: rows not kept
             return
         tokens = torch.tensor(seq.tokens[:length], dtype=torch.long)  # [n]
-        states = seq.read_states
-        hidden = {layer: torch.cat([part.hidden[layer] for part in states]) for layer in states[0].hidden} if (
-            states) else {}  # [n, H] each
-        final = torch.cat([part.final_hidden for part in states]) if states and (
-            states[0].final_hidden is not None) else None  # [n, H]
+        states, hidden, final = seq.read_states, {}, None
+        if states:
+            hidden = {layer: torch.cat([part.hidden[layer] for part in states]) for layer in states[0].hidden}
+            if states[0].final_hidden is not None:
+                final = torch.cat([part.final_hidden for part in states])  # [n, H]
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final)
         for entry in list(self._entries):

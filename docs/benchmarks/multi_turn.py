@@ -43,20 +43,20 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def chat(url: str, messages: list[dict], max_tokens: int, cache: bool) -> tuple[str, dict]:
-    body = {"model": served_model(url), "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, cache: bool) -> tuple[str, dict]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": cache}
     return stream_chat(f"{url}/v1/chat/completions", body)
 
 
 def run_peer(url: str, conversations: list[list[str]], max_tokens: int, cache: bool) -> list[dict]:
     """-> per conversation: each turn's time to first token, the second turn's prompt and cached tokens, answers."""
-    rows = []
+    rows, model = [], served_model(url)
     for turns in conversations:
-        first_answer, first = chat(url, [{"role": "user", "content": turns[0]}], max_tokens, cache)
+        first_answer, first = chat(url, model, [{"role": "user", "content": turns[0]}], max_tokens, cache)
         messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first_answer},
                     {"role": "user", "content": turns[1]}]
-        second_answer, second = chat(url, messages, max_tokens, cache)
+        second_answer, second = chat(url, model, messages, max_tokens, cache)
         rows.append({"ttft_1": first["time_to_first_token"], "ttft_2": second["time_to_first_token"],
                      "prompt_2": (second.get("usage") or {}).get("prompt_tokens"),
                      "cached_2": cached_tokens(second), "answers": [first_answer, second_answer]})
