@@ -165,7 +165,8 @@ class BatchDraftBudget:
         """After a request started: its drafter's prompt read, when it read one, prices its method's catch-ups
         until a catch-up itself is measured (a lone prompt read costs per token about what a batch's catch-ups
         do: one forward over many rows per request)."""
-        read = len(seq.tokens) - seq.drafter.pending_tokens(seq)
+        restored = max((keys.shape[2] for keys, _ in seq.reused_drafter_rows.values()), default=0)
+        read = len(seq.tokens) - seq.drafter.pending_tokens(seq) - restored  # what the drafter read itself
         method = self._method(seq)
         if read > CATCH_UP_TOKENS and method.catch_up_seconds_per_token is None:
             method.catch_up_seconds_per_token = drafter_seconds / read

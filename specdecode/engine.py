@@ -208,7 +208,7 @@ class Engine:
                        draft_length, stats, eos, guard)
         reused = None
         if self.prefix_cache is not None and reuse_prefix:
-            reused = self.prefix_cache.restore(prompt_ids, drafter.caps, cache)
+            reused = self.prefix_cache.restore(seq)
         stats.cached_prompt_tokens = cache.lengths[0]
         return Prefill(seq, chunk, self.target.model.device,
                        lambda seq, inputs: self._forward(seq, inputs, logits_at=slice(-1, None)), self._started,
@@ -225,6 +225,7 @@ class Engine:
         seq.drafter.start(seq, prefill)
         seq.stats.drafter_prefill_seconds = perf_counter() - drafter_began
         self.batch_budget.observe_start(seq, seq.stats.drafter_prefill_seconds)
+        seq.reused_drafter_rows = {}  # taken (or not wanted) by the drafter's start: the entry may go
         seq.stats.prefill_seconds = target_seconds + seq.stats.drafter_prefill_seconds
         if self.prefix_cache is not None:  # now, so that requests arriving while this one decodes reuse it
             if seq.drafter.caps.hidden_layers or seq.drafter.caps.final_hidden:

@@ -5,7 +5,9 @@ A chat client sends the whole conversation every turn, and an agent the same lon
 without this, each request reads all of it again (about a second per 150 tokens on 2 cores). An entry keeps a
 request's keys and values for every token that went through the target (prompt and answer) and, when its
 drafter reads the target's hidden states, those of the same rows, so a later drafter starts from the inputs a
-whole read would give it. A request whose drafter reads states takes only entries that kept those states.
+whole read would give it; a request whose drafter reads states takes only entries that kept those states. A
+drafter with a KV cache of its own over the tokens (a draft model) has its rows kept too, and a later request's
+drafter starts from them (Drafter.token_caches).
 
 What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
 share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
@@ -22,7 +24,6 @@ import torch
 
 from specdecode.drafters.base import DrafterCaps
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kv_cache import KVCache
 from specdecode.spec_types import Sequence, TargetOutput
 
 
@@ -33,10 +34,13 @@ class PrefixEntry:
     values: torch.Tensor  # [L, Hkv, n, D]
     hidden: dict[int, torch.Tensor]  # boundary id -> [n, H]: the states the request's drafter read, every row
     final_hidden: torch.Tensor | None  # [n, H] or None when that drafter read none
+    # drafter name -> its own keys and values [L', Hkv', m, D'] of the first m <= n tokens (a draft model's)
+    drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def nbytes(self) -> int:
         states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
+        states += [part for pair in self.drafter_rows.values() for part in pair]
         return self.tokens.nbytes + self.keys.nbytes + self.values.nbytes + sum(s.nbytes for s in states)
 
     def has_states(self, layers, final: bool) -> bool:
@@ -64,19 +68,20 @@ class PrefixCache:
     def entries(self) -> int:
         return len(self._entries)
 
-    def restore(self, prompt: list[int], caps: DrafterCaps, cache: KVCache) -> TargetOutput | None:
-        """Write the longest cached prefix of `prompt` into `cache` (a new request's, empty); -> what a prefill
-        of those rows would have given its drafter (their hidden states; no logits), or None for no hit. The
-        prompt's last token is always left to read: its logits sample the first token."""
-        entry, length = self._longest_match(prompt[:-1], caps)
+    def restore(self, seq: Sequence) -> TargetOutput | None:
+        """Write the longest cached beginning of a new request's prompt into its (empty) cache, and hand its
+        drafter the rows of its own caches (`seq.reused_drafter_rows`); -> what a prefill of those rows would
+        have given the drafter (their hidden states; no logits), or None for no hit. The prompt's last token is
+        always left to read: its logits sample the first token."""
+        caps = seq.drafter.caps
+        entry, length = self._longest_match(seq.tokens[: seq.prompt_len - 1], caps)
         if entry is None:
             return None
         self._entries.remove(entry)
         self._entries.append(entry)
-        cache.keys[:, 0, :, :length] = entry.keys[:, :, :length]
-        cache.values[:, 0, :, :length] = entry.values[:, :, :length]
-        cache.positions[0, :length] = torch.arange(length, device=cache.positions.device)
-        cache.lengths[0] = length
+        seq.cache.fill(entry.keys[:, :, :length], entry.values[:, :, :length])
+        seq.reused_drafter_rows = {name: (keys[:, :, :length], values[:, :, :length])
+                                   for name, (keys, values) in entry.drafter_rows.items()}
         hidden = {layer: entry.hidden[layer][:length] for layer in caps.hidden_layers}  # [length, H] each
         final = entry.final_hidden[:length] if caps.final_hidden else None  # [length, H]
         return TargetOutput(torch.empty(0, 0), hidden, final)
@@ -103,7 +108,10 @@ class PrefixCache:
             if states[0].final_hidden is not None:
                 final = torch.cat([part.final_hidden for part in states])  # [n, H]
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
-        new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final)
+        drafter_rows = {name: (cache.keys[:, 0, :, :rows].clone(), cache.values[:, 0, :, :rows].clone())
+                        for name, cache in seq.drafter.token_caches(seq).items()
+                        if (rows := min(cache.lengths[0], length)) > 0}
+        new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final, drafter_rows)
         for entry in list(self._entries):
             common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
             if common == length and entry.has_states(new.hidden, new.final_hidden is not None):

@@ -48,6 +48,9 @@ class Sequence:
     # For the prefix cache: the hidden states the drafter read of every row in `cache`, in order (the prompt's,
     # then each step's kept rows); empty when the engine keeps no prefix cache or the drafter reads none.
     read_states: list[TargetOutput] = field(default_factory=list)
+    # Drafter name -> keys and values [L, Hkv, n, D] of the prompt's first n tokens from the prefix cache, for a
+    # drafter that keeps its own cache of the tokens (Drafter.token_caches) to take as it starts.
+    reused_drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def generated(self) -> int:

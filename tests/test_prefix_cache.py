@@ -14,6 +14,7 @@ from test_server import MODEL, SETTINGS, running
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.serve import parse_size_or_off
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
 from specdecode.models.quant.w4a8_linear import w4a8_unavailable
@@ -155,6 +156,31 @@ def test_a_drafter_started_from_a_hit_gets_the_states_a_whole_read_gives(target,
     assert hit.hidden.keys() == cold.hidden.keys()
     assert all(torch.equal(hit.hidden[layer], cold.hidden[layer]) for layer in hit.hidden)
     assert torch.equal(hit.logits, cold.logits)
+
+
+def test_a_draft_model_starts_from_its_own_cached_rows(target, tmp_path, monkeypatch):
+    """The draft model's KV rows are kept with the target's: a hit hands them to its start, which reads only the
+    rest, and its cache then holds bitwise what a whole read gives (w4a8 draft)."""
+    draft = load_model(save_tiny_model(tmp_path / "draft", "qwen2", scale=0.15, noise=0.01), dtype="bfloat16",
+                       quant="w4a8")
+    spec = SpecConfig("draft", num_draft_tokens=2)
+    fed = []  # tokens each of the draft model's prompt reads took in
+    feed = DraftModelDrafter._feed
+    monkeypatch.setattr(DraftModelDrafter, "_feed", lambda self, seq, cache, logits_at, upto: fed.append(
+        upto - cache.lengths[0]) or feed(self, seq, cache, logits_at, upto))
+    cached = Engine(target, draft, prefix_cache_bytes=2**24)
+    first = cached.encode("abcabcabc abcabc")
+    second = first + answered(cached, first, spec) + cached.encode(" abc", raw=True)
+    fed.clear()
+    hit = cached.start(second, GREEDY, spec)
+    # one read, of less than the answer and the new turn: the draft's rows of the first turn's answer came back
+    # too (all it had read: a draft model is a step behind the target when its request ends)
+    assert len(fed) == 1 and fed[0] < len(second) - len(first) and hit.stats.cached_prompt_tokens > len(first)
+    cold = Engine(target, draft).start(second, GREEDY, spec)
+    hit_cache, cold_cache = hit.drafter_state["draft"], cold.drafter_state["draft"]
+    assert hit_cache.lengths == cold_cache.lengths == [len(second)]
+    assert torch.equal(hit_cache.keys[:, :, :, : len(second)], cold_cache.keys[:, :, :, : len(second)])
+    assert torch.equal(hit_cache.values[:, :, :, : len(second)], cold_cache.values[:, :, :, : len(second)])
 
 
 @pytest.mark.parametrize("budget", [-1, 1.5, "512"])

@@ -22,6 +22,7 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 if TYPE_CHECKING:
     import torch
 
+    from specdecode.models.kv_cache import KVCache
     from specdecode.models.loader import LoadedModel
 
 
@@ -130,6 +131,12 @@ class Drafter:
     def max_nodes(self, budget: int) -> int:
         """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""
         return budget
+
+    def token_caches(self, seq: Sequence) -> dict[str, KVCache]:
+        """KV caches this drafter keeps of the request's committed tokens, by drafter name (a draft model's; row i
+        holds seq.tokens[i]): the prefix cache keeps their rows with the target's, and a later request that
+        reuses them finds them in `seq.reused_drafter_rows` as it starts."""
+        return {}
 
     def cache_bytes(self) -> int:
         """Memory held by caches that outlive a request (reported in stats; weights are not counted)."""

@@ -9,6 +9,7 @@ another member's draft got accepted; `result.source` tells each member whose pro
 from __future__ import annotations
 
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 from specdecode.config import SpecConfig
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
@@ -16,6 +17,9 @@ from specdecode.drafters.registry import DRAFTERS, create_member, member_key, va
 from specdecode.drafters.step_choice import StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 from specdecode.tree import proposal_depth
+
+if TYPE_CHECKING:
+    from specdecode.models.kv_cache import KVCache
 
 
 DEFERRED = "chain.deferred"  # seq.drafter_state: the members whose start waits for their first turn
@@ -182,6 +186,9 @@ class ChainDrafter(Drafter):
 
     def max_nodes(self, budget: int) -> int:
         return max(member.max_nodes(budget) for member in self.members)
+
+    def token_caches(self, seq: Sequence) -> dict[str, KVCache]:
+        return {name: cache for member in self.members for name, cache in member.token_caches(seq).items()}
 
     def pending_tokens(self, seq: Sequence) -> int:
         """The most any member has to read first: what a step that falls to that member catches up on."""

@@ -79,8 +79,12 @@ class DraftModelDrafter(Drafter):
     def defer_start(self, seq: Sequence) -> bool:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
         slack = seq.draft_length.maximum * (self.options.draft_tree_width if self.tree else 1)
-        seq.drafter_state[self.name] = self.draft.model.new_cache(seq.capacity + slack)
-        return True  # the first catch-up reads the prompt
+        cache = self.draft.model.new_cache(seq.capacity + slack)
+        reused = seq.reused_drafter_rows.get(self.name)
+        if reused is not None:  # the prompt's beginning, as an earlier request read it (prefix_cache.py)
+            cache.fill(*reused)
+        seq.drafter_state[self.name] = cache
+        return True  # the first catch-up reads the prompt (what the prefix cache did not give)
 
     def pending_tokens(self, seq: Sequence) -> int:
         return len(seq.tokens) - seq.drafter_state[self.name].lengths[0]
@@ -97,6 +101,10 @@ class DraftModelDrafter(Drafter):
     def request_bytes(self, seq: Sequence) -> int:
         cache = seq.drafter_state.get(self.name)
         return cache.nbytes if cache is not None else 0
+
+    def token_caches(self, seq: Sequence) -> dict[str, KVCache]:
+        cache = seq.drafter_state.get(self.name)
+        return {} if cache is None else {self.name: cache}
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         # Keep only cached tokens that were accepted; everything after them is overwritten next time.

@@ -58,6 +58,15 @@ class KVCache:
         used = max(self.lengths) + new
         return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
 
+    def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """An empty single-sequence cache takes n rows written elsewhere for positions 0..n-1 (keys and values
+        [L, Hkv, n, D], e.g. from the prefix cache)."""
+        rows = keys.shape[2]
+        self.keys[:, 0, :, :rows] = keys
+        self.values[:, 0, :, :rows] = values
+        self.positions[0, :rows] = torch.arange(rows, device=self.positions.device)
+        self.lengths[0] = rows
+
     def layer_views(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each sequence's keys and values of `layer`, [Hkv, S, D] views (what a fused layer writes and reads)."""
         return list(self.keys[layer].unbind(0)), list(self.values[layer].unbind(0))
