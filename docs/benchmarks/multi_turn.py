@@ -3,12 +3,13 @@ keeps the first turn's keys and values (a prompt cache) and when it reads the wh
 
 Run from the repository root against servers already started (about 2 minutes per peer on 2 cores):
 
-    python docs/benchmarks/multi_turn.py --peer NAME=URL[,cache=off] [--peer ...] [--conversations 8]
+    python docs/benchmarks/multi_turn.py --peer NAME=URL[,cache=off][,spec=METHOD] [--peer ...] [--conversations 8]
         [--max-tokens 128] [--out DIR]
 
 Each peer gets MT-bench's first N conversations one at a time (greedy, streamed): turn 1, then turn 2 with turn
 1's answer in the messages, as a chat client sends it. `cache=off` sends `"cache_prompt": false` (ours and
-llama.cpp's server then read every prompt whole); otherwise the field is `true`. Reported per peer: time to first
+llama.cpp's server then read every prompt whole); otherwise the field is `true`. `spec=METHOD` asks our server for
+a speculative method per request (a draft model's own prompt read then counts too). Reported per peer: time to first
 token of each turn (median and mean), the second turn's prompt tokens and how many came from the cache (ours:
 `usage.prompt_tokens_details.cached_tokens`, llama.cpp: `timings.cache_n`). Peers that are the same model
 decoding greedily should answer alike: the report counts second-turn answers equal to the first peer's.
@@ -43,20 +44,24 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def chat(url: str, model: str, messages: list[dict], max_tokens: int, cache: bool) -> tuple[str, dict]:
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, cache: bool,
+         method: str | None) -> tuple[str, dict]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": cache}
+    if method:
+        body["speculative"] = {"method": method}
     return stream_chat(f"{url}/v1/chat/completions", body)
 
 
-def run_peer(url: str, conversations: list[list[str]], max_tokens: int, cache: bool) -> list[dict]:
+def run_peer(url: str, conversations: list[list[str]], max_tokens: int, cache: bool,
+             method: str | None) -> list[dict]:
     """-> per conversation: each turn's time to first token, the second turn's prompt and cached tokens, answers."""
     rows, model = [], served_model(url)
     for turns in conversations:
-        first_answer, first = chat(url, model, [{"role": "user", "content": turns[0]}], max_tokens, cache)
+        first_answer, first = chat(url, model, [{"role": "user", "content": turns[0]}], max_tokens, cache, method)
         messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first_answer},
                     {"role": "user", "content": turns[1]}]
-        second_answer, second = chat(url, model, messages, max_tokens, cache)
+        second_answer, second = chat(url, model, messages, max_tokens, cache, method)
         rows.append({"ttft_1": first["time_to_first_token"], "ttft_2": second["time_to_first_token"],
                      "prompt_2": (second.get("usage") or {}).get("prompt_tokens"),
                      "cached_2": cached_tokens(second), "answers": [first_answer, second_answer]})
@@ -83,7 +88,7 @@ def report(results: dict[str, list[dict]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer", action="append", required=True, help="NAME=URL[,cache=off]")
+    parser.add_argument("--peer", action="append", required=True, help="NAME=URL[,cache=off][,spec=METHOD]")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dataset", default=DATASET)
@@ -95,7 +100,8 @@ def main() -> None:
         name, _, rest = peer.partition("=")
         url, *flags = rest.split(",")
         print(f"{name}: {url}", file=sys.stderr)
-        results[name] = run_peer(url.rstrip("/"), conversations, args.max_tokens, "cache=off" not in flags)
+        method = next((flag.removeprefix("spec=") for flag in flags if flag.startswith("spec=")), None)
+        results[name] = run_peer(url.rstrip("/"), conversations, args.max_tokens, "cache=off" not in flags, method)
     table = report(results)
     print(table)
     if args.out:
