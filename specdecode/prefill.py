@@ -53,7 +53,7 @@ class Prefill:
         self.target_seconds += perf_counter() - began
         self.read = end
         if self.done:
-            self._started(self.seq, _joined(self._parts), self.target_seconds)
+            self._started(self.seq, TargetOutput.joined(self._parts), self.target_seconds)
             self._parts.clear()
         return self.done
 
@@ -63,12 +63,3 @@ class Prefill:
             pass
         return self.seq
 
-
-def _joined(parts: list[TargetOutput]) -> TargetOutput:
-    """The chunks' outputs (after the reused rows' states, if any) as one prefill's: hidden states over every
-    prompt row, the last chunk's logits."""
-    if len(parts) == 1:
-        return parts[0]
-    hidden = {layer: torch.cat([part.hidden[layer] for part in parts]) for layer in parts[0].hidden}  # [P, H] each
-    final = None if parts[0].final_hidden is None else torch.cat([part.final_hidden for part in parts])  # [P, H]
-    return TargetOutput(parts[-1].logits, hidden, final)

@@ -84,7 +84,7 @@ class PrefixCache:
                                    for name, (keys, values) in entry.drafter_rows.items()}
         hidden = {layer: entry.hidden[layer][:length] for layer in caps.hidden_layers}  # [length, H] each
         final = entry.final_hidden[:length] if caps.final_hidden else None  # [length, H]
-        return TargetOutput(torch.empty(0, 0), hidden, final)
+        return TargetOutput(torch.empty(0), hidden, final)
 
     def _longest_match(self, tokens: list[int], caps: DrafterCaps) -> tuple[PrefixEntry | None, int]:
         query = torch.tensor(tokens, dtype=torch.long)  # [P - 1]
@@ -102,16 +102,12 @@ class PrefixCache:
         if length != len(seq.tokens) - 1:  # a step failed between its forward and its commit: rows not kept
             return
         tokens = torch.tensor(seq.tokens[:length], dtype=torch.long)  # [n]
-        states, hidden, final = seq.read_states, {}, None
-        if states:
-            hidden = {layer: torch.cat([part.hidden[layer] for part in states]) for layer in states[0].hidden}
-            if states[0].final_hidden is not None:
-                final = torch.cat([part.final_hidden for part in states])  # [n, H]
+        states = TargetOutput.joined(seq.read_states) if seq.read_states else TargetOutput(torch.empty(0))
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         drafter_rows = {name: (cache.keys[:, 0, :, :rows].clone(), cache.values[:, 0, :, :rows].clone())
                         for name, cache in seq.drafter.token_caches(seq).items()
                         if (rows := min(cache.lengths[0], length)) > 0}
-        new = PrefixEntry(tokens, keys.clone(), values.clone(), hidden, final, drafter_rows)
+        new = PrefixEntry(tokens, keys.clone(), values.clone(), states.hidden, states.final_hidden, drafter_rows)
         for entry in list(self._entries):
             common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
             if common == length and entry.has_states(new.hidden, new.final_hidden is not None):

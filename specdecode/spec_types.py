@@ -106,6 +106,16 @@ class TargetOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # boundary id -> [T, H] (see DESIGN.md)
     final_hidden: torch.Tensor | None = None  # [T, H] after the final norm (MTP reads it); None = not asked
 
+    @classmethod
+    def joined(cls, parts: list[TargetOutput]) -> TargetOutput:
+        """Outputs of consecutive rows (a prompt's chunks, a request's steps) as one: hidden states over every
+        row, the last part's logits."""
+        if len(parts) == 1:
+            return parts[0]
+        hidden = {layer: torch.cat([part.hidden[layer] for part in parts]) for layer in parts[0].hidden}  # [T, H]
+        final = None if parts[0].final_hidden is None else torch.cat([part.final_hidden for part in parts])  # [T, H]
+        return cls(parts[-1].logits, hidden, final)
+
     def rows(self, index: list[int]) -> TargetOutput:
         """The rows `index` (ascending) of every field (all fields must cover the same rows, as in a verify
         forward). A chain's accepted rows are a prefix: views, no copy."""
