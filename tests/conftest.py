@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
+import sys
+import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -142,6 +147,19 @@ class FakeClock:
         return self.now
 
 
+class TickingClock(FakeClock):
+    """A clock that moves `tick` seconds each time it is read: every measured interval is a count of reads, so
+    estimates built on it (a chain's per-step choice) are the same on a busy machine as on a quiet one."""
+
+    def __init__(self, tick: float = 0.001):
+        super().__init__()
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One torch thread for modules making thousands of calls on tiny tensors.
@@ -164,3 +182,42 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
             tree[0, node, ancestor] = True
             ancestor = parents[ancestor]
     return tree
+
+
+class JitterClock:
+    """A monotonic clock whose every interval is the real one stretched or shrunk by a random factor
+    (log-uniform in [1/25, 25]): what a machine under arbitrary, changing load looks like to code that times
+    itself. With SPECDECODE_TEST_CLOCK=jitter the whole suite runs on it (docs/development.md), so a test whose
+    assertion depends on measured time fails every run instead of on a busy day."""
+
+    def __init__(self, seed: int) -> None:
+        self.real = time.perf_counter
+        self.random = random.Random(seed)
+        self.last_real = self.real()
+        self.now = self.last_real
+
+    def __call__(self) -> float:
+        real = self.real()
+        self.now += (real - self.last_real) * math.exp(self.random.uniform(-math.log(25), math.log(25)))
+        self.last_real = real
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def jitter_clock(request, monkeypatch):
+    """Under SPECDECODE_TEST_CLOCK=jitter, every perf_counter the package reads to measure costs (however
+    imported) is a JitterClock; otherwise nothing changes. Deadlines (time.monotonic) keep real time: a
+    timeout is a test's own subject, and stretching it would only fail tests on purpose."""
+    if os.environ.get("SPECDECODE_TEST_CLOCK") != "jitter":
+        yield None
+        return
+    clock = JitterClock(zlib.crc32(request.node.nodeid.encode()))
+    real = time.perf_counter
+    for name, module in list(sys.modules.items()):
+        if name.startswith("specdecode") and getattr(module, "perf_counter", None) is real:
+            monkeypatch.setattr(module, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    from specdecode.drafters.chain import ChainDrafter
+
+    monkeypatch.setattr(ChainDrafter, "clock", staticmethod(clock))
+    yield clock

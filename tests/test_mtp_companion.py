@@ -69,7 +69,7 @@ def test_drafting_from_the_companion_equals_drafting_from_one_file(split):
     root = split[0]
     whole = Engine(load_model(root / "whole" / "model.gguf", dtype="float32", quant="none"))
     beside = Engine(load_model(root / "split" / "model.gguf", dtype="float32", quant="none"))
-    spec = SpecConfig("mtp", num_draft_tokens=3)
+    spec = SpecConfig("mtp", num_draft_tokens=3, guard=False)  # drafted counts compared: nothing timed decides them
     one_file, companion = (engine.complete("hello hello", SAMPLING, spec) for engine in (whole, beside))
     assert companion.token_ids == one_file.token_ids == beside.complete("hello hello", SAMPLING).token_ids
     assert (companion.stats.drafted_tokens, companion.stats.accepted_tokens) == \
