@@ -11,10 +11,11 @@
 from importlib import import_module
 
 _EXPORTS = {
-    "Engine": "specdecode.engine", "GenerationEvent": "specdecode.engine", "GenerationResult": "specdecode.engine",
+    "Engine": "specdecode.engine.engine", "GenerationResult": "specdecode.engine.engine",
+    "GenerationEvent": "specdecode.engine.request",
     "LoadedModel": "specdecode.models.loader", "load_model": "specdecode.models.loader",
     "SamplingParams": "specdecode.config", "SpecConfig": "specdecode.config", "SpecDecodeError": "specdecode.errors",
-    "TokenLogprob": "specdecode.logprobs",
+    "TokenLogprob": "specdecode.acceptance.logprobs",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -1,17 +1,18 @@
-"""Frozen, validated settings: what to sample, how to speculate, how to run. Bad values fail here, clearly."""
+"""Frozen settings: what to sample and how to speculate. Each value is checked here on its own (types, ranges);
+what needs the drafter registry (method names, each drafter's options, the relaxed rule) is checked where the
+registry lives, by drafters.registry.resolve_spec, which every front door and the Engine call."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
 MAX_DRAFT_TOKENS = 64
-COMBINE_RULES = ("first", "best")  # how a chain of methods picks each step's proposal
+COMBINE_RULES = ("first", "best")  # how a combination of methods picks each step's proposal
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's cap
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
 # greedy anyway (every other token's probability underflows to zero).
@@ -78,11 +79,12 @@ class SamplingParams:
 
 @dataclass(frozen=True, init=False)
 class SpecConfig:
-    """How to speculate: a method (a drafter name, or a comma-separated fallback chain such as 'ngram,draft'),
-    the draft length, and each drafter's own options by name (declared in its file, e.g. ngram_max=3).
-    `guard` pauses drafting while it measures slower than plain decoding (speed_guard.py). `combine` is how a
-    chain picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the most
-    expected tokens per second, drafters/step_choice.py). `relaxed` opts into lossy acceptance (relaxed.py).
+    """How to speculate: a method (a drafter name, or a comma-separated combination such as 'ngram,draft'), the
+    draft length, and each drafter's own options by name (declared in its file, e.g. ngram_max=3). `guard`
+    pauses drafting while it measures slower than plain decoding (engine/speed_guard.py). `combine` is how a
+    combination picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the
+    most expected tokens per second, drafters/step_choice.py). `relaxed` opts into lossy acceptance
+    (acceptance/relaxed.py).
 
         SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
     """
@@ -98,16 +100,12 @@ class SpecConfig:
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), guard: bool = True,
                  combine: str = "first", relaxed: str | None = None, **named_options: Any):
-        from specdecode.drafters.registry import canonical_method, check_options_given  # registry imports this
-        from specdecode.relaxed import Relaxed  # imports torch, which `specdecode models` does without
-
         if (not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool)
                 or not isinstance(guard, bool)):
             raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int), adaptive and "
                                   f"guard (bool), got {method!r}, {num_draft_tokens!r}, {adaptive!r}, {guard!r}")
         merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
-        names = (m.strip() for m in method.split(","))
-        object.__setattr__(self, "method", ",".join(canonical_method(m) for m in names if m))
+        object.__setattr__(self, "method", ",".join(m.strip() for m in method.split(",") if m.strip()))
         object.__setattr__(self, "num_draft_tokens", num_draft_tokens)
         object.__setattr__(self, "adaptive", adaptive)
         object.__setattr__(self, "options", tuple(sorted(merged.items())))
@@ -115,21 +113,13 @@ class SpecConfig:
         object.__setattr__(self, "combine", combine)
         if relaxed is not None and not isinstance(relaxed, str):
             raise SpecDecodeError(f"relaxed must be a string such as 'typical' or 'threshold:0.3', got {relaxed!r}")
-        object.__setattr__(self, "relaxed", None if relaxed is None else str(Relaxed.parse(relaxed)))
+        object.__setattr__(self, "relaxed", relaxed)
         if combine not in COMBINE_RULES:
             raise SpecDecodeError(f"combine must be one of {', '.join(COMBINE_RULES)}, got {combine!r}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecDecodeError(
                 f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
-        check_options_given(merged)
-
-    @cached_property
-    def relaxation(self):
-        """The relaxed acceptance rule (a relaxed.Relaxed), or None for the exact, lossless one (parsed once)."""
-        from specdecode.relaxed import Relaxed
-
-        return None if self.relaxed is None else Relaxed.parse(self.relaxed)
 
     @property
     def lossless(self) -> bool:

@@ -16,19 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.draft_length import DraftLength
-from specdecode.logprobs import TokenLogprob
-from specdecode.stats import GenerationStats
 
 if TYPE_CHECKING:
     from specdecode.drafters.base import Drafter
-    from specdecode.models.kv_cache import KVCache
-    from specdecode.speed_guard import SpeedGuard
+    from specdecode.models.decoder.kv_cache import KVCache
 
 
 @dataclass(eq=False)  # identity equality: two requests with the same fields are still two requests
 class Sequence:
-    """One request's whole state between steps (what a scheduler holds instead of generator locals)."""
+    """One request's state as its drafter sees it between steps. The engine's own bookkeeping of the request (its
+    speed guard, draft length, stats and stop decision) extends this in engine/request.py."""
 
     tokens: list[int]  # prompt + committed output
     prompt_len: int
@@ -38,16 +35,10 @@ class Sequence:
     capacity: int  # the most tokens this sequence may ever hold (context limit or prompt + max_tokens)
     cache: KVCache  # the target's KV cache, a prefix of `tokens` (all but the last)
     drafter: Drafter  # shared by every request of the Engine; its per-request state is in `drafter_state`
-    draft_length: DraftLength
-    stats: GenerationStats
-    eos: frozenset[int]  # tokens that end the turn (empty with ignore_eos)
-    guard: SpeedGuard  # shrinks or pauses drafting while it measures slower than plain decoding
+    draft_limit: int  # the most tokens one step may draft: a drafter keeps that much room in caches of its own
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
-    # One per generated token when sampling.logprobs asks for them (logprobs.py), else empty.
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    # For the prefix cache: the hidden states the drafter read of every row in `cache`, in order (the prompt's,
-    # then each step's kept rows); empty when the engine keeps no prefix cache or the drafter reads none.
-    read_states: list[TargetOutput] = field(default_factory=list)
+    # What a drafter says of how it drafted, counted (stats' drafter_notes): e.g. "dspark_confidence_cut".
+    drafter_notes: dict[str, int] = field(default_factory=dict)
     # Drafter name -> keys and values [L, Hkv, n, D] of the prompt's first n tokens from the prefix cache, for a
     # drafter that keeps its own cache of the tokens (Drafter.token_caches) to take as it starts.
     reused_drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -55,6 +46,9 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def note(self, what: str, count: int = 1) -> None:
+        self.drafter_notes[what] = self.drafter_notes.get(what, 0) + count
 
 
 @dataclass
@@ -70,7 +64,7 @@ class DraftProposal:
     # [N, V] float: the distribution each node was drawn from (siblings drawn independently, each from its
     # row); None = deterministic drafts (argmax, top-k, lookups), verified against a one-hot q.
     probs: torch.Tensor | None = None
-    source: str = ""  # the method that proposed it (a chain of methods reports its winning member)
+    source: str = ""  # the method that proposed it (a combination reports its winning member)
     withheld: str | None = None  # why it is empty when a drafter chose not to draft (stats' steps_without_draft)
 
     @classmethod

@@ -4,6 +4,7 @@ ones joining between steps and finished ones leaving."""
 from __future__ import annotations
 
 from specdecode import Engine
+from specdecode.engine import forward
 
 
 def run_batched(engine: Engine, requests: list[tuple], join_every: int = 2) -> tuple[list[list[int]], list[tuple]]:
@@ -11,46 +12,46 @@ def run_batched(engine: Engine, requests: list[tuple], join_every: int = 2) -> t
     -> each request's generated ids (as Engine.complete would return them), and the [B, T] shape of every
     batched forward (so a test can check that drafts were verified in batches)."""
     shapes = []
-    forward_batch = engine._forward_batch
+    forward_batch = forward._forward_batch
 
-    def recording(seqs, inputs):
+    def recording(model, seqs, inputs):
         shapes.append(tuple(inputs.tokens.shape))
-        return forward_batch(seqs, inputs)
+        return forward_batch(model, seqs, inputs)
 
-    engine._forward_batch = recording
+    forward._forward_batch = recording
     try:
         return _run(engine, requests, join_every), shapes
     finally:
-        del engine._forward_batch
+        forward._forward_batch = forward_batch
 
 
 def admit(engine: Engine, index: int, request: tuple, active: list, outputs: list[list[int]]) -> None:
-    """Open request `index` (prompt, sampling, spec): its first token goes to outputs[index]; it joins `active`
-    ((index, stream) pairs) unless that token already ended it."""
-    stream = engine.open(*request)
-    event = stream.first_event()
+    """Begin request `index` (prompt, sampling, spec): its first token goes to outputs[index]; it joins `active`
+    ((index, request) pairs) unless that token already ended it."""
+    prompt, sampling, spec = request
+    begun = engine.begin(engine.encode(prompt), sampling, spec)
+    event = engine.prefill(begun)
     outputs[index].extend(event.token_ids)
     if event.finish_reason is None:
-        active.append((index, stream))
+        active.append((index, begun))
     else:
-        engine.finish(stream.seq)
+        engine.finish(begun)
 
 
 def step_active(engine: Engine, active: list, outputs: list[list[int]]) -> None:
-    """One Engine.step_many over every active stream; each one's tokens go to its output, finished ones leave."""
-    committed = engine.step_many([stream.seq for _, stream in active])
-    for (index, stream), tokens in zip(list(active), committed):
-        event = stream.event(tokens)
+    """One Engine.step_many over every active request; each one's tokens go to its output, finished ones leave."""
+    events = engine.step_many([request for _, request in active])
+    for (index, request), event in zip(list(active), events):
         outputs[index].extend(event.token_ids)
         if event.finish_reason is not None:
-            engine.finish(stream.seq)
-            active.remove((index, stream))
+            engine.finish(request)
+            active.remove((index, request))
 
 
 def _run(engine: Engine, requests: list[tuple], join_every: int) -> list[list[int]]:
     outputs: list[list[int]] = [[] for _ in requests]
     waiting = list(enumerate(requests))
-    active = []  # (index, stream)
+    active = []  # (index, request)
     steps = 0
     while waiting or active:
         if waiting and steps % join_every == 0:
@@ -67,7 +68,7 @@ def drafts_in_shared_forwards(engine: Engine, spec, temperature: float, owner, n
     equal, seeded sampling included. -> (args, kwargs) of every call of owner.`name` in the batched run."""
     from specdecode import SamplingParams
 
-    monkeypatch.setattr(engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    monkeypatch.setattr(engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     prompts = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
     requests = [(p, SamplingParams(max_tokens=20, temperature=temperature, seed=i, ignore_eos=True), spec)
                 for i, p in enumerate(prompts)]
@@ -92,7 +93,7 @@ def assert_padded_rows_keep_their_bits(forward, new_cache, width: int, dtype) ->
     logits and fed-back states they get alone (the PyTorch attention over a padded batch does not promise that)."""
     import torch
 
-    from specdecode.models.kv_cache import CacheBatch
+    from specdecode.models.decoder.kv_cache import CacheBatch
 
     generator = torch.Generator().manual_seed(0)
     cached, new = (7, 40), (3, 8)  # rows each sequence's cache holds, rows each reads now

@@ -137,6 +137,13 @@ def noisy_pair(tmp_path_factory):
     return target, draft
 
 
+def started(engine, prompt_ids: list[int], sampling=None, spec=None):
+    """A request begun and its prompt read whole (first token sampled, drafter started): what a test steps."""
+    request = engine.begin(prompt_ids, sampling, spec)
+    engine.prefill(request)
+    return request
+
+
 class FakeClock:
     """A clock tests move by hand (the engine's and a chain's timings, scripted)."""
 
@@ -217,7 +224,7 @@ def jitter_clock(request, monkeypatch):
         if name.startswith("specdecode") and getattr(module, "perf_counter", None) is real:
             monkeypatch.setattr(module, "perf_counter", clock)
     monkeypatch.setattr(time, "perf_counter", clock)
-    from specdecode.drafters.chain import ChainDrafter
+    from specdecode.drafters.combination import CombinationDrafter
 
-    monkeypatch.setattr(ChainDrafter, "clock", staticmethod(clock))
+    monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(clock))
     yield clock

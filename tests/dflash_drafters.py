@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from specdecode.models.dflash_model import DFlashConfig, DFlashModel
-from specdecode.models.dspark_model import DSparkHeads, DSparkModel
-from specdecode.models.formats.dflash_checkpoint import save_dflash
-from specdecode.models.formats.dspark_checkpoint import save_dspark
+from specdecode.models.formats.dflash import save_dflash
+from specdecode.models.formats.dspark import save_dspark
+from specdecode.models.heads.dflash import DFlashConfig, DFlashModel
+from specdecode.models.heads.dspark import DSparkHeads, DSparkModel
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
 

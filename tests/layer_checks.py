@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.rope import RopeTable, inverse_frequencies
+from specdecode.models.decoder.rope import RopeTable, inverse_frequencies
 
 
 def forward(model, tokens: torch.Tensor, cache, start: int, **kwargs):

@@ -66,7 +66,7 @@ def test_methods_in_one_session_do_not_draft_from_each_others_answers(models):
     from specdecode.bench.runner import engine_turn_runner, run_question
     from specdecode.bench.suite import parse_methods, runner_factories
     from specdecode.config import SamplingParams, SpecConfig
-    from specdecode.engine import Engine
+    from specdecode.engine.engine import Engine
     from specdecode.models.loader import load_model
 
     engine = Engine(load_model(models[0], dtype="float32"))

@@ -11,9 +11,9 @@ from test_quantized_load import SHAPE, TYPES
 
 from specdecode.cli.main import main
 from specdecode.errors import SpecDecodeError
+from specdecode.models.auto_quant import choose_quant
 from specdecode.models.formats.gguf_header import tensor_types
-from specdecode.models.quant import w4a8_linear
-from specdecode.models.quant.auto_quant import choose_quant
+from specdecode.models.kernels import w4a8_linear
 
 
 @pytest.fixture(scope="module")

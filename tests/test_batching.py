@@ -4,31 +4,29 @@ server's batched scheduler with its KV memory budget."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from batched_runs import run_batched
-from conftest import save_tiny_model
+from conftest import save_tiny_model, started
 from test_server import MODEL, SETTINGS, assert_openai_error, running
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.batch_budget import CATCH_UP_TOKENS, PROBE_EVERY, BatchDraftBudget
-from specdecode.batched import forward_groups, padded_inputs
+from specdecode.engine.forward import verify_inputs
+from specdecode.engine.load_budget import CATCH_UP_TOKENS, PROBE_EVERY, BatchDraftBudget
 from specdecode.models.batch_invariance import batch_invariant
-from specdecode.models.kv_cache import CacheBatch
+from specdecode.models.decoder.forward_inputs import forward_groups, padded_inputs
+from specdecode.models.decoder.kv_cache import CacheBatch
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
-from specdecode.prefill import Prefill
 from specdecode.server.app import create_app
 from specdecode.spec_types import DraftProposal
-from specdecode.tree import verify_inputs
 
 PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
 
@@ -242,7 +240,7 @@ def test_a_catch_up_never_measured_is_priced_at_the_targets_prefill():
 def test_seeded_sampling_in_a_batch_equals_each_request_alone(w4a8_engine, monkeypatch, method):
     """With every sequence drafting what it would alone (the budget held open, no speed guard), the random
     draws are the same, so a seeded request samples the same tokens batched as alone."""
-    monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    monkeypatch.setattr(w4a8_engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     spec = SpecConfig(method, num_draft_tokens=3, guard=False)
     requests = [(p, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True), spec)
                 for i, p in enumerate(PROMPTS)]
@@ -333,7 +331,7 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
     """Catch-up and each drafted position run once for every sequence drafting (not once per sequence), and the
     chains are what each drafts alone, so outputs stay equal (greedy here; seeded sampling above). With per-step
     choice (`auto`'s rule) too: the requests that chose the draft model draft together."""
-    monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    monkeypatch.setattr(w4a8_engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     draft_model = w4a8_engine.draft.model
     batches = []
     forward = draft_model.forward
@@ -358,7 +356,8 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
 def test_a_draft_model_asked_for_no_tokens_in_a_batch_proposes_nothing(w4a8_engine):
     """In a chain, an earlier member may have drafted for every sequence of the batch; the draft model is then
     asked for nothing (this once ended every request of the batch with an error)."""
-    seqs = [w4a8_engine.open(p, SamplingParams(max_tokens=8), SpecConfig("ngram,draft")).seq for p in PROMPTS[:2]]
+    seqs = [started(w4a8_engine, w4a8_engine.encode(p), SamplingParams(max_tokens=8), SpecConfig("ngram,draft"))
+            for p in PROMPTS[:2]]
     drafter = seqs[0].drafter.members[1]
     assert drafter.name == "draft" and drafter.batch_invariant
     assert [p.tokens.numel() for p in drafter.propose_many(seqs, [0, 0])] == [0, 0]
@@ -373,10 +372,10 @@ def test_a_draft_model_that_reads_the_prompt_at_start_prices_its_catch_ups_there
     engine = Engine(w4a8_engine.target, w4a8_engine.draft)
     prompt = [5 + i % 50 for i in range(CATCH_UP_TOKENS + 8)]
     for spec in (SpecConfig("draft"), SpecConfig("ngram,draft", combine="best")):
-        engine.finish(engine.open(prompt, SamplingParams(max_tokens=4), spec).seq)
-    assert engine.batch_budget._methods["draft"].catch_up_seconds_per_token > 0
-    assert engine.batch_budget._methods["ngram,draft"].catch_up_seconds_per_token is None
-    assert engine.batch_budget.prefill_seconds_per_token > 0  # ... priced meanwhile at the target's prefill
+        engine.finish(started(engine, engine.encode(prompt), SamplingParams(max_tokens=4), spec))
+    assert engine.load_budget._methods["draft"].catch_up_seconds_per_token > 0
+    assert engine.load_budget._methods["ngram,draft"].catch_up_seconds_per_token is None
+    assert engine.load_budget.prefill_seconds_per_token > 0  # ... priced meanwhile at the target's prefill
 
 
 def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
@@ -390,16 +389,16 @@ def test_forward_estimates_interpolate_and_extrapolate_on_the_measured_slope():
 
 
 def test_a_bug_in_one_prefill_is_a_500_for_that_request_and_the_server_keeps_serving(w4a8_engine, monkeypatch):
-    advance = Prefill.advance
+    prefill = w4a8_engine.prefill
     calls = []
 
-    def failing_once(prefill):
+    def failing_once(request):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a scripted bug")
-        return advance(prefill)
+        return prefill(request)
 
-    monkeypatch.setattr(Prefill, "advance", failing_once)
+    monkeypatch.setattr(w4a8_engine, "prefill", failing_once)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
     with running(create_app(w4a8_engine, SETTINGS)) as server:
         error = assert_openai_error(*server.post("/v1/completions", body), 500)

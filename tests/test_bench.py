@@ -8,8 +8,7 @@ import pytest
 from conftest import save_tiny_model
 
 from specdecode.bench.datasets import load_questions
-from specdecode.bench.metrics import (ceiling_speedup, first_divergence, identical_rate, mean_tokens_per_second,
-                                      speedup)
+from specdecode.bench.metrics import ceiling_speedup, first_divergence, identical_rate, mean_tokens_per_second, speedup
 from specdecode.bench.runner import QuestionResult
 from specdecode.cli import main
 from specdecode.config import SpecConfig

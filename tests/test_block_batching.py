@@ -13,9 +13,9 @@ from conftest import save_tiny_model
 from dflash_drafters import write_random_dflash, write_random_dspark
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.models.formats.dflash_checkpoint import load_dflash
+from specdecode.models.formats.dflash import load_dflash
+from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import load_kernel, w4a8_unavailable
 
 WRITERS = {"dflash": write_random_dflash, "dspark": write_random_dspark}
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from specdecode.chi_square import chi_square
+from specdecode.acceptance.chi_square import chi_square
 from specdecode.cli.main import main
 from specdecode.spec_types import VerifyResult
 
-verify_module = importlib.import_module("specdecode.verify")  # the package exports a function of that name
+verify_module = importlib.import_module("specdecode.acceptance.verify")  # the package exports a function of that name
 PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox"]  # the tiny model's drafts miss on some
 
 

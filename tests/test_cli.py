@@ -104,7 +104,7 @@ def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
     import argparse
 
     from specdecode.cli.options import draft_quant
-    from specdecode.models.quant import w4a8_linear
+    from specdecode.models.kernels import w4a8_linear
 
     def flags(**overrides):
         return argparse.Namespace(**{"draft_quant": "auto", "device": "cpu", "group_size": 32, **overrides})

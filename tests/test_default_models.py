@@ -11,7 +11,13 @@ import pytest
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats import default_models
-from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, DefaultModel, assemble
+from specdecode.models.formats.default_models import (
+    DEFAULT_DRAFT,
+    DEFAULT_MODELS,
+    DEFAULT_TARGET,
+    DefaultModel,
+    assemble,
+)
 
 
 def make_model(tmp_path, monkeypatch, prefix, contents, sha256=None, size=None) -> DefaultModel:

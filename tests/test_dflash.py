@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.formats.dflash_checkpoint import load_dflash, save_dflash
+from specdecode.models.formats.dflash import load_dflash, save_dflash
 from specdecode.models.loader import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from test_dflash import EXPECTED, FIXTURES, our_block_logits
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.formats.dflash_checkpoint import load_dflash
+from specdecode.models.formats.dflash import load_dflash
 from specdecode.models.loader import load_model
 
 

@@ -16,17 +16,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, save_tiny_model
-from eagle3_reference import head_config, random_head, write_head
-from dflash_drafters import write_random_dflash, write_random_dspark
-from mtp_reference import add_mtp_layers
 from batched_runs import run_batched
+from conftest import TINY_VOCAB, save_tiny_model, started
+from dflash_drafters import write_random_dflash, write_random_dspark
+from eagle3_reference import head_config, random_head, write_head
+from mtp_reference import add_mtp_layers
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox", "1 2 3 1 2 3 1 2"]
 MAX_TOKENS = 32
@@ -155,7 +155,7 @@ def test_sampled_output_follows_the_target_distribution(small_vocab_engine, meth
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
 def test_the_kv_cache_holds_exactly_the_committed_tokens(engine, method, options):
     model = engine.target.model
-    seq = engine.start(engine.encode(PROMPTS[3]), greedy(), SpecConfig(method, num_draft_tokens=4, options=options))
+    seq = started(engine, engine.encode(PROMPTS[3]), greedy(), SpecConfig(method, num_draft_tokens=4, options=options))
     try:
         while seq.generated < MAX_TOKENS:
             assert seq.cache.lengths == [len(seq.tokens) - 1]
@@ -178,7 +178,7 @@ def test_one_engine_serves_interleaved_requests(engine, method, options):
     alone = {p: engine.complete(p, greedy(), spec).token_ids for p in PROMPTS[:2]}
     drafter = engine.drafter(spec)
     assert engine.drafter(SpecConfig(method, num_draft_tokens=3, options=options)) is drafter  # created once
-    requests = [engine.start(engine.encode(p), greedy(), spec) for p in PROMPTS[:2]]
+    requests = [started(engine, engine.encode(p), greedy(), spec) for p in PROMPTS[:2]]
     while any(seq.generated < MAX_TOKENS for seq in requests):
         for seq in requests:
             if seq.generated < MAX_TOKENS:
@@ -194,7 +194,7 @@ def test_batched_steps_on_a_w4a8_target_equal_each_request_alone(w4a8_engine, mo
     """Requests verified together in one forward (as the server batches them), joining and leaving mid-batch,
     next to plain requests and requests of another method: each output is bitwise what it is alone. The load
     budget is held open (every sequence drafts what it asks), so that drafts are verified in batches."""
-    monkeypatch.setattr(w4a8_engine.batch_budget, "draft_cap", lambda seqs, wanted: max(wanted))
+    monkeypatch.setattr(w4a8_engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     spec = SpecConfig(method, num_draft_tokens=3, options=options)
     others = [SpecConfig("none"), SpecConfig("ngram", num_draft_tokens=2)]
     requests = [(p, greedy(8 + 6 * i), spec) for i, p in enumerate(PROMPTS)]
@@ -215,11 +215,10 @@ def test_a_prompt_read_in_chunks_decodes_as_one_read_whole(pair, w4a8_engine, me
 
     def decoded(ids: list[int], chunk: int | None) -> tuple[int, list[int], int, int]:
         engine = Engine(w4a8_engine.target, w4a8_engine.draft, draft_path=pair[3])
-        prefill = engine.begin(ids, greedy(16), spec, chunk)
+        seq = engine.begin(ids, greedy(16), spec, chunk)
         reads = 1
-        while not prefill.advance():
+        while engine.prefill(seq) is None:
             reads += 1
-        seq = prefill.seq
         while seq.generated < 16:
             engine.step(seq)
         engine.finish(seq)
@@ -241,7 +240,7 @@ def test_a_prompt_taken_from_the_prefix_cache_decodes_as_one_read_whole(pair, w4
     first_turn = w4a8_engine.encode(PROMPTS[0])
 
     def decoded(engine: Engine, ids: list[int]) -> tuple[list[int], int, int, int]:
-        seq = engine.start(ids, greedy(12), spec)
+        seq = started(engine, ids, greedy(12), spec)
         while seq.generated < 12:
             engine.step(seq)
         engine.finish(seq)

@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_tiny_model, started
 from dflash_drafters import write_random_dspark
 from safetensors.torch import load_file, save_file
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.dspark_model import DSparkHeads
-from specdecode.models.formats.dspark_checkpoint import load_dspark, save_dspark
+from specdecode.models.formats.dspark import load_dspark, save_dspark
+from specdecode.models.heads.dspark import DSparkHeads
 from specdecode.models.loader import load_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
@@ -80,7 +80,7 @@ def test_heads_match_deepspecs_forward_and_drafting(target, tmp_path, kind):
     stored = load_file(folder / "model.safetensors")
     prompt_ids = target.tokenizer.encode(PROMPT)
     engine = Engine(target, draft_path=folder)
-    seq = engine.start(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True),
+    seq = started(engine, prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True),
                        SpecConfig("dspark", options={"dspark_confidence": 0.0}))
     root = seq.tokens[-1]  # the target's first token: the block's slot 0
     hidden, base = first_block(target, model, prompt_ids, root)
@@ -182,7 +182,7 @@ def test_inspect_finds_a_dspark_drafter_beside_the_model(target, tmp_path, capsy
 def test_each_layout_is_refused_by_the_other_method(target, tmp_path):
     from dflash_drafters import write_random_dflash
 
-    from specdecode.models.formats.dflash_checkpoint import load_dflash
+    from specdecode.models.formats.dflash import load_dflash
 
     dspark = write_random_dspark(tmp_path / "s", target, DSparkHeads(markov_rank=0, confidence=False))
     with pytest.raises(SpecDecodeError, match="DeepSpec's slot convention.*use --spec-type dspark"):

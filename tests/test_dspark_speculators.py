@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from test_dspark import HEADS, PROMPT, first_block
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.formats.dflash_checkpoint import load_dflash
-from specdecode.models.formats.dspark_checkpoint import load_dspark
+from specdecode.models.formats.dflash import load_dflash
+from specdecode.models.formats.dspark import load_dspark
 from specdecode.models.loader import load_model
 
 HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from batched_runs import assert_padded_rows_keep_their_bits, drafts_in_shared_forwards
-from conftest import TINY_VOCAB, save_tiny_model
+from conftest import TINY_VOCAB, save_tiny_model, started
 from eagle3_reference import LAYOUTS, ReferenceHead, head_config, random_head, write_head
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -19,9 +19,9 @@ from specdecode.cli.options import draft_sources
 from specdecode.cli.serve import spec_from_vllm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT
-from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
+from specdecode.models.formats.eagle3 import load_eagle3_head
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model, module_bytes
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 HIDDEN = 64  # the tiny target's
 # Boundary ids each layout's test head is written for, on an 8-layer target (below 8: transformers returns
@@ -91,7 +91,7 @@ def test_the_drafter_proposes_what_the_reference_computes(target8, tmp_path):
     engine = Engine(target, draft_path=folder)
     spec = SpecConfig("eagle3", num_draft_tokens=3)
     prompt = [5, 17, 99, 42, 7, 7, 120, 3]
-    seq = engine.start(prompt, SamplingParams(max_tokens=8), spec)
+    seq = started(engine, prompt, SamplingParams(max_tokens=8), spec)
     try:
         proposal = seq.drafter.propose(seq, 3)
     finally:

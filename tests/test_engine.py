@@ -187,15 +187,16 @@ def test_inference_mode_does_not_leak_between_events(engine):
 
 
 def test_drafters_are_created_once_and_their_number_is_bounded(pair, monkeypatch):
-    import specdecode.engine
+    import specdecode.engine.engine
 
     engine = Engine(*pair)
     assert engine.drafter(SpecConfig("ngram,draft")).members[1] is engine.drafter(SpecConfig("draft"))
-    monkeypatch.setattr(specdecode.engine, "MAX_DRAFTER_CONFIGS", 4)  # "none", "ngram,draft", "draft" so far
-    engine.check_spec(SpecConfig("ngram", ngram_max=2))
-    engine.check_spec(SpecConfig("draft"))  # known: no new drafter
+    monkeypatch.setattr(specdecode.engine.engine, "MAX_DRAFTER_CONFIGS", 4)  # "none", "ngram,draft", "draft" so far
+    engine.drafter(SpecConfig("ngram", ngram_max=2))
+    engine.drafter(SpecConfig("draft"))  # known: no new drafter
     with pytest.raises(SpecDecodeError, match="already serves 4 distinct speculative configurations"):
-        engine.check_spec(SpecConfig("ngram", ngram_max=3))
+        engine.drafter(SpecConfig("ngram", ngram_max=3))
+    engine.check_spec(SpecConfig("ngram", ngram_max=4))  # a check builds nothing, so it never hits the bound
 
 
 def test_memory_in_stats_is_sized_to_the_request(engine):

@@ -16,11 +16,11 @@ import torch
 from conftest import TickingClock, save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.chi_square import chi_square
+from specdecode.acceptance.chi_square import chi_square
+from specdecode.acceptance.sampling import logits_to_probs
+from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
-from specdecode.sampling import logits_to_probs
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so n-gram lookup drafts "3 1 2"

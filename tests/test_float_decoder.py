@@ -11,10 +11,10 @@ from layer_checks import assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_ba
 from torch import nn
 
 from specdecode.models.batch_invariance import batch_invariant
-from specdecode.models.float_decoder import FloatDecoderLayer, fix_float_layers
+from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, rows_invariant
+from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fix_float_layers
+from specdecode.models.kernels.w4a8_linear import load_kernel
 from specdecode.models.loader import load_model
-from specdecode.models.packed_linear import PackedLinear, can_pack, rows_invariant
-from specdecode.models.quant.w4a8_linear import load_kernel
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
 # Wide enough that oneDNN takes its blocked kernels, as it does for real models.

@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_w4a8_linear import each_variant, layer_and_weight
 
-from specdecode.models.quant import w4a8_linear
-from specdecode.models.quant.w4a8_linear import VARIANTS
+from specdecode.models.kernels import w4a8_linear
+from specdecode.models.kernels.w4a8_linear import VARIANTS
 
 QUANT = Path(w4a8_linear.__file__).parent
 DRIVER = Path(__file__).with_name("kernel_driver") / "w4a8_driver.cpp"

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ancestor_mask
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.decoder.kv_cache import KVCache
 from specdecode.models.loader import load_model
 
 LAYERS, BATCH, KV_HEADS, HEAD_DIM, CAPACITY = 2, 2, 2, 4, 16

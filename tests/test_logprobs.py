@@ -8,8 +8,8 @@ import torch
 from conftest import save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 PROMPTS = ["hello hello hello", "abcabcabc abcabc", [1, 2, 3, 1, 2, 3, 1, 2]]
 # Every drafter, chains and trees: each verifies a different number of rows per forward.

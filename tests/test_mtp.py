@@ -10,15 +10,14 @@ import shutil
 import pytest
 import torch
 from batched_runs import assert_padded_rows_keep_their_bits, drafts_in_shared_forwards
-from conftest import save_tiny_model
+from conftest import save_tiny_model, started
 from gguf_files import write_gguf
 from mtp_reference import add_mtp_layers, reference_logits
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.auto_method import choose
 from specdecode.cli.main import main
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 TOKENS = list(range(40, 64))
 
@@ -127,7 +126,7 @@ def test_inspect_says_what_a_model_brings(base, tmp_path, capsys):
     write_gguf(tmp_path / "m.gguf", gguf_folder, "qwen2", quantized=False)
     assert main(["inspect", str(tmp_path / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mtp"]["naming"] == "gguf nextn"
-    assert choose(str(folder), None, None).method.split(",")[:2] == ["suffix", "mtp"]
+    assert Engine(load_model(folder, dtype="float32")).check_spec(SpecConfig("auto")).method.split(",")[:2] == ["suffix", "mtp"]
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +155,7 @@ def test_a_reduced_draft_vocabulary_keeps_the_output(two_module_engine):
     assert sorted(end_of_turn) == [256, 257]
     # The head's rows: the 120 lowest ids, 6 more to fill the kernel's last 16-row tile with the 2 end of turn
     assert drafter.weights_bytes() == 128 * 64 * 4
-    seq = two_module_engine.start(two_module_engine.encode("hello hello"), sampling, spec)
+    seq = started(two_module_engine, two_module_engine.encode("hello hello"), sampling, spec)
     try:
         proposal = drafter.propose(seq, 3)
         assert all(t < 126 or t in end_of_turn for t in proposal.tokens.tolist())

@@ -11,17 +11,16 @@ import shutil
 import pytest
 import torch
 from conftest import save_tiny_model
-from safetensors.torch import load_file, save_file
 from gguf_files import write_gguf
 from mtp_reference import add_mtp_layers, reference_logits
+from safetensors.torch import load_file, save_file
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.auto_method import choose
 from specdecode.cli.main import main
 from specdecode.cli.options import draft_sources
 from specdecode.models.formats.mtp_companion import companion_beside, load_companion
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
 
 TOKENS = list(range(40, 64))
 SAMPLING = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -146,4 +145,4 @@ def test_inspect_and_auto_see_the_companion(split, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["mtp"]["companion"] == str(split[0] / "split" / "mtp-model.gguf")
     assert report["methods"][0]["usable"]
-    assert choose(str(trunk_file), None, None).method.split(",")[:2] == ["suffix", "mtp"]
+    assert Engine(load_model(trunk_file, dtype="float32", quant="none")).check_spec(SpecConfig("auto")).method.split(",")[:2] == ["suffix", "mtp"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_tiny_model, started
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import build_parser
@@ -91,7 +91,7 @@ def test_a_drafter_registered_in_one_file_gets_hidden_states_along_the_accepted_
     prompt = "abcabc abcabc abc"
     plain = engine.complete(prompt, sampling, SpecConfig("none")).token_ids
     spec = SpecConfig(registered.name, num_draft_tokens=2, options={"echo_branches": 3})
-    seq = engine.start(engine.encode(prompt), sampling, spec)
+    seq = started(engine, engine.encode(prompt), sampling, spec)
     state = seq.drafter_state[registered.name]
     while seq.generated < sampling.max_tokens:
         engine.step(seq)

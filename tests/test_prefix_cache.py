@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_tiny_model, started
 from mtp_reference import add_mtp_layers
 from test_server import MODEL, SETTINGS, running
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.serve import parse_size_or_off
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.errors import SpecDecodeError
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
-from specdecode.prefix_cache import PrefixCache
 from specdecode.server.app import create_app
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -34,7 +34,7 @@ def target(tmp_path_factory):
 
 
 def answered(engine: Engine, ids: list[int], spec: SpecConfig = SpecConfig("none")) -> list[int]:
-    seq = engine.start(ids, GREEDY, spec)
+    seq = started(engine, ids, GREEDY, spec)
     while seq.generated < GREEDY.max_tokens:
         engine.step(seq)
     engine.finish(seq)
@@ -48,18 +48,19 @@ def test_a_hit_fills_the_cache_as_reading_the_prompt_whole_does(target):
     second = first + answered(cached, first) + cached.encode(" jumps over", raw=True)
     hit = cached.begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3), SpecConfig("none"),
                        chunk=3)  # the rest read in chunks, as the server does while others decode
-    cold = Engine(target).begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3),
-                                SpecConfig("none"))
-    assert hit.seq.stats.cached_prompt_tokens == len(first) + GREEDY.max_tokens - 1
-    assert hit.read == hit.seq.stats.cached_prompt_tokens and cold.read == 0
-    hit.run()
-    cold.run()
+    cold_engine = Engine(target)
+    cold = cold_engine.begin(second, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3), SpecConfig("none"))
+    assert hit.stats.cached_prompt_tokens == len(first) + GREEDY.max_tokens - 1
+    assert hit.cache.lengths[0] == hit.stats.cached_prompt_tokens and cold.cache.lengths[0] == 0
+    while cached.prefill(hit) is None:
+        pass
+    cold_engine.prefill(cold)
     length = len(second)
-    assert hit.seq.cache.lengths == cold.seq.cache.lengths == [length]
-    assert torch.equal(hit.seq.cache.keys[:, :, :, :length], cold.seq.cache.keys[:, :, :, :length])
-    assert torch.equal(hit.seq.cache.values[:, :, :, :length], cold.seq.cache.values[:, :, :, :length])
-    assert torch.equal(hit.seq.cache.positions[:, :length], cold.seq.cache.positions[:, :length])
-    assert hit.seq.tokens == cold.seq.tokens and hit.seq.logprobs == cold.seq.logprobs
+    assert hit.cache.lengths == cold.cache.lengths == [length]
+    assert torch.equal(hit.cache.keys[:, :, :, :length], cold.cache.keys[:, :, :, :length])
+    assert torch.equal(hit.cache.values[:, :, :, :length], cold.cache.values[:, :, :, :length])
+    assert torch.equal(hit.cache.positions[:, :length], cold.cache.positions[:, :length])
+    assert hit.tokens == cold.tokens and hit.logprobs == cold.logprobs
 
 
 def test_the_same_prompt_again_reads_only_its_last_token(target):
@@ -75,8 +76,8 @@ def test_a_client_may_ask_for_a_cold_read(target):
     engine = Engine(target, prefix_cache_bytes=2**24)
     ids = engine.encode("hello hello hello")
     answered(engine, ids)
-    prefill = engine.begin(ids, GREEDY, SpecConfig("none"), reuse_prefix=False)
-    assert prefill.read == 0 and prefill.seq.stats.cached_prompt_tokens == 0
+    request = engine.begin(ids, GREEDY, SpecConfig("none"), reuse_prefix=False)
+    assert request.cache.lengths[0] == 0 and request.stats.cached_prompt_tokens == 0
 
 
 def test_a_chats_later_turn_replaces_its_earlier_entry(target):
@@ -93,7 +94,7 @@ def test_a_request_whose_step_failed_after_its_forward_leaves_nothing_of_that_st
     """Rows a failed step wrote but never committed must not be offered to later prompts."""
     engine = Engine(target, prefix_cache_bytes=2**24)
     ids = engine.encode("hello hello hello")
-    seq = engine.start(ids, GREEDY, SpecConfig("none"))
+    seq = started(engine, ids, GREEDY, SpecConfig("none"))
     engine.step(seq)
     seq.cache.advance(3)  # as a verify forward that raised before its commit leaves the cache
     engine.finish(seq)
@@ -123,12 +124,12 @@ def test_a_drafter_that_reads_hidden_states_reuses_only_entries_that_kept_them(t
     first = engine.encode("1 2 3 1 2 3 1 2")
     plain_answer = answered(engine, first)
     second = first + plain_answer + engine.encode(" 3", raw=True)
-    assert engine.begin(second, GREEDY, SpecConfig("mtp")).seq.stats.cached_prompt_tokens == 0
+    assert engine.begin(second, GREEDY, SpecConfig("mtp")).stats.cached_prompt_tokens == 0
     assert answered(engine, first, SpecConfig("mtp")) == plain_answer
     kept = len(first) + len(plain_answer) - 1  # the answer's last token never went through the target
     assert engine.prefix_cache.entries == 1  # the MTP entry replaced the plain one: same tokens, more states
     for method in ("mtp", "none"):
-        assert engine.begin(second, GREEDY, SpecConfig(method)).seq.stats.cached_prompt_tokens == kept
+        assert engine.begin(second, GREEDY, SpecConfig(method)).stats.cached_prompt_tokens == kept
 
 
 def test_a_drafter_started_from_a_hit_gets_the_states_a_whole_read_gives(target, tmp_path, monkeypatch):
@@ -144,7 +145,7 @@ def test_a_drafter_started_from_a_hit_gets_the_states_a_whole_read_gives(target,
         drafter = engine.drafter(spec)
         start = drafter.start
         monkeypatch.setattr(drafter, "start", lambda seq, prefill: seen.append(prefill) or start(seq, prefill))
-        reused = engine.start(ids, GREEDY, spec).stats.cached_prompt_tokens
+        reused = started(engine, ids, GREEDY, spec).stats.cached_prompt_tokens
         return seen[0], reused
 
     cached = Engine(mtp_target, prefix_cache_bytes=2**24)
@@ -172,11 +173,11 @@ def test_a_draft_model_starts_from_its_own_cached_rows(target, tmp_path, monkeyp
     first = cached.encode("abcabcabc abcabc")
     second = first + answered(cached, first, spec) + cached.encode(" abc", raw=True)
     fed.clear()
-    hit = cached.start(second, GREEDY, spec)
+    hit = started(cached, second, GREEDY, spec)
     # one read, of less than the answer and the new turn: the draft's rows of the first turn's answer came back
     # too (all it had read: a draft model is a step behind the target when its request ends)
     assert len(fed) == 1 and fed[0] < len(second) - len(first) and hit.stats.cached_prompt_tokens > len(first)
-    cold = Engine(target, draft).start(second, GREEDY, spec)
+    cold = started(Engine(target, draft), second, GREEDY, spec)
     hit_cache, cold_cache = hit.drafter_state["draft"], cold.drafter_state["draft"]
     assert hit_cache.lengths == cold_cache.lengths == [len(second)]
     assert torch.equal(hit_cache.keys[:, :, :, : len(second)], cold_cache.keys[:, :, :, : len(second)])

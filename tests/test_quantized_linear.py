@@ -14,9 +14,9 @@ from gguf_files import Q4_K, random_k_blocks
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.loader import load_model
 from specdecode.models.formats.gguf_int4 import q4_k_groups
-from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear
+from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear
+from specdecode.models.loader import load_model
 
 
 def linear(out_features=48, in_features=128, bias=True, seed=0) -> nn.Linear:
@@ -134,8 +134,8 @@ def test_q4_k_blocks_become_int4_groups_with_the_same_weights():
 
 @pytest.mark.real_model
 def test_default_draft_int4_layers_carry_the_gguf_weights_exactly():
-    from specdecode.models.loader import resolve_source
     from specdecode.models.formats.default_models import DEFAULT_DRAFT
+    from specdecode.models.loader import resolve_source
 
     model = load_model(DEFAULT_DRAFT, dtype="float32", quiet=True, quant="int4").model
     gguf_path = resolve_source(DEFAULT_DRAFT, quiet=True)

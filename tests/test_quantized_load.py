@@ -11,11 +11,10 @@ from conftest import linear_weight, save_tiny_model
 from gguf_files import Q4_K, Q5_0, Q6_K, Q8_0, hf_weights, random_k_blocks, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import loader
+from specdecode.models import loader, quantized_model
 from specdecode.models.formats import weight_source
-from specdecode.models.quant import quantized_model
+from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 from specdecode.models.loader import load_model
-from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 
 # Inputs of 256 and 512 so every weight holds whole 256-weight K-quant blocks.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

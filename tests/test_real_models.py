@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.models.loader import load_model
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.loader import load_model
 
 pytestmark = pytest.mark.real_model
 

@@ -10,15 +10,16 @@ import torch
 from conftest import save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.acceptance.relaxed import Relaxed
+from specdecode.acceptance.verify import verify
 from specdecode.bench.report import method_label
 from specdecode.bench.suite import parse_methods
 from specdecode.cli.main import main
+from specdecode.drafters.registry import resolve_spec
+from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecDecodeError
-from specdecode.relaxed import Relaxed
 from specdecode.server.responses import speculative
 from specdecode.spec_types import DraftProposal
-from specdecode.stats import GenerationStats
-from specdecode.verify import verify
 
 ROW = [0.5, 0.3, 0.15, 0.05]  # the target's law at the root: argmax 0, then 1, 2, 3
 
@@ -33,9 +34,11 @@ def test_rules_parse_and_bad_ones_are_one_line():
     for bad in ("medusa", "typical:x", "threshold:0", "threshold:1.5", "typical:nan"):
         with pytest.raises(SpecDecodeError, match="relaxed acceptance"):
             Relaxed.parse(bad)
-    assert SpecConfig("ngram").lossless and SpecConfig("ngram").relaxation is None
-    spec = SpecConfig("ngram", relaxed="typical")
-    assert spec.relaxed == "typical:0.09" and not spec.lossless and spec.relaxation == Relaxed("typical", 0.09)
+    assert SpecConfig("ngram").lossless and SpecConfig("ngram").relaxed is None
+    spec = resolve_spec(SpecConfig("ngram", relaxed="typical"))
+    assert spec.relaxed == "typical:0.09" and not spec.lossless and Relaxed.parse(spec.relaxed) == Relaxed("typical", 0.09)
+    with pytest.raises(SpecDecodeError, match="relaxed acceptance"):
+        resolve_spec(SpecConfig("ngram", relaxed="medusa"))
     with pytest.raises(SpecDecodeError):
         SpecConfig("ngram", relaxed=3)
 

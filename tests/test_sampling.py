@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import logits_to_probs, sample
 
 
 def _reference_probs(row: list[float], params: SamplingParams) -> list[float]:

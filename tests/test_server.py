@@ -21,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.cli import main
+from specdecode.cli.serve import spec_from_vllm
+from specdecode.drafters.registry import resolve_spec
 from specdecode.models.loader import load_model
 from specdecode.server.app import DrainingServer, ServerSettings, create_app
-from specdecode.cli.serve import spec_from_vllm
 
 MODEL = "tiny-qwen2"
 SETTINGS = ServerSettings(model_name=MODEL, spec=SpecConfig("ngram,draft"))
@@ -365,7 +366,7 @@ def test_spec_from_vllm_maps_methods_and_rejects_bad_config():
     for bad in ("{method: ngram", '["ngram"]', '{"method": "eagle"}', "{}"):
         with pytest.raises(SpecDecodeError):
             spec_from_vllm(bad, base)
-    assert SpecConfig("ngram-simple").method == "ngram"  # llama.cpp's name
+    assert resolve_spec(SpecConfig("ngram-simple")).method == "ngram"  # llama.cpp's name
     with pytest.raises(SpecDecodeError, match="wrong type"):
         spec_from_vllm('{"method": "ngram", "num_speculative_tokens": "x"}', base)
 

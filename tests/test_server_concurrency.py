@@ -77,7 +77,7 @@ def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exac
         assert usage_chunk["usage"]["completion_tokens"] == len(reference.token_ids)
         spec = usage_chunk["speculative"]
         assert spec["method"] == method and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-        if method == "none" or not batched:  # batched, the load may withhold a request's drafts (batch_budget.py)
+        if method == "none" or not batched:  # batched, the load may withhold a request's drafts (load_budget.py)
             assert (spec["drafted_tokens"] == 0) == (method == "none")
         tokens += usage_chunk["usage"]["completion_tokens"]
         drafted, accepted = drafted + spec["drafted_tokens"], accepted + spec["accepted_tokens"]
@@ -210,3 +210,26 @@ def test_draining_server_ends_streams_past_the_grace_with_an_error_event_and_don
     for payloads in outcomes.values():
         assert payloads[-1] == "[DONE]"
         assert "shut down before this request" in json.loads(payloads[-2])["error"]["message"]
+
+
+def test_new_speculative_configs_from_many_threads_are_built_only_by_the_worker(engine, monkeypatch):
+    """Clients asking for configurations the server has not built yet, from many threads while a stream decodes:
+    the HTTP side only checks them (Engine.check_spec builds nothing), the worker thread that owns the models
+    builds each drafter, and every answer is the greedy one (the same text whatever the method)."""
+    fresh = Engine(engine.target, engine.draft, SETTINGS.spec)
+    built_on = []
+    drafter = fresh.drafter
+    monkeypatch.setattr(fresh, "drafter", lambda spec: built_on.append(threading.current_thread().name) or drafter(spec))
+    body = {"model": MODEL, "prompt": "hello hello hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    overrides = [{"method": "suffix", "suffix_max_depth": depth} for depth in range(1, 21)]
+    overrides += [{"method": "auto"}, {"method": "ngram", "ngram_max": 2}, {"method": "draft", "num_draft_tokens": 5}]
+    with running(create_app(fresh, SETTINGS)) as server:
+        reader = threading.Thread(target=server.stream, args=("/v1/completions", {**LONG, "max_tokens": 200}))
+        reader.start()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(lambda spec: server.post("/v1/completions", {**body, "speculative": spec}),
+                                    overrides))
+        reader.join(60)
+    assert [status for status, _ in answers] == [200] * len(overrides)
+    assert len({answer["choices"][0]["text"] for _, answer in answers}) == 1
+    assert built_on and set(built_on) == {"specdecode-worker"}

@@ -14,9 +14,8 @@ from test_server import MODEL, SETTINGS, running
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.errors import SpecDecodeError
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
-from specdecode.models.quant.w4a8_linear import w4a8_unavailable
-from specdecode.prefill import Prefill
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import Job, Scheduler
 
@@ -37,9 +36,9 @@ def w4a8_engine(tmp_path_factory):
 def test_prompts_read_in_chunks_between_batched_steps_answer_as_alone(w4a8_engine, monkeypatch):
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     expected = {p: w4a8_engine.complete(p, sampling, SpecConfig("draft"), raw=True).text for p in PROMPTS}
-    events = []  # ("chunk", the prefill) and ("step", batch size), in the worker's order
-    advance, step_many = Prefill.advance, w4a8_engine.step_many
-    monkeypatch.setattr(Prefill, "advance", lambda prefill: events.append(("chunk", prefill)) or advance(prefill))
+    events = []  # ("chunk", the request) and ("step", batch size), in the worker's order
+    prefill, step_many = w4a8_engine.prefill, w4a8_engine.step_many
+    monkeypatch.setattr(w4a8_engine, "prefill", lambda request: events.append(("chunk", request)) or prefill(request))
     monkeypatch.setattr(w4a8_engine, "step_many", lambda seqs: events.append(("step", len(seqs))) or step_many(seqs))
     body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
             "speculative": {"method": "draft"}}
@@ -75,11 +74,11 @@ def test_a_request_dropped_while_its_prompt_is_read_frees_its_place_and_memory(w
     scheduler._read_prompt()  # nothing decodes yet: the first prompt is read whole
     assert len(scheduler.active) == 1 and jobs[0].events.qsize() == 1  # its first token went out
     scheduler._read_prompt()  # the second, one chunk, while the first decodes
-    assert scheduler.starting[0][1].read == 2
+    assert scheduler.starting[0][1].cache.lengths[0] == 2
     memory = scheduler.kv_bytes
     jobs[1].cancelled.set()
     scheduler._drop_ended()
     assert scheduler.load == (1, 0) and scheduler.admitted == 1
-    assert scheduler.kv_bytes == scheduler.active[0][1].seq.cache.nbytes < memory
+    assert scheduler.kv_bytes == scheduler.active[0][1].cache.nbytes < memory
     with pytest.raises(SpecDecodeError, match="prefill chunk"):
         Scheduler(w4a8_engine, prefill_chunk=-1)

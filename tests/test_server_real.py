@@ -6,8 +6,8 @@ import pytest
 from test_server import running
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.models.loader import load_model
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.loader import load_model
 from specdecode.server.app import ServerSettings, create_app
 
 CONVERSATIONS = [

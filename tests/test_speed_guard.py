@@ -9,7 +9,8 @@ import pytest
 from conftest import FakeClock
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.speed_guard import FIRST_PAUSE, MAX_PAUSE, WINDOW, PlainStepClock, SpeedGuard
+from specdecode.engine.forward import forward_rows
+from specdecode.engine.speed_guard import FIRST_PAUSE, MAX_PAUSE, WINDOW, PlainStepClock, SpeedGuard
 
 PLAIN_SECONDS = 1.0
 
@@ -84,15 +85,16 @@ def engine(noisy_pair):
 def test_a_slow_drafter_is_paused_in_the_engine_and_output_is_unchanged(engine, monkeypatch, method):
     """The engine's clock is scripted: a target forward takes 1 s, any drafting 5 s, so drafts never pay."""
     clock = FakeClock()
-    monkeypatch.setattr("specdecode.engine.perf_counter", clock)
-    monkeypatch.setattr("specdecode.request_stream.perf_counter", clock)  # the request's total time
-    forward = engine._forward
+    monkeypatch.setattr("specdecode.engine.engine.perf_counter", clock)
+    monkeypatch.setattr("specdecode.engine.request.perf_counter", clock)  # the request's total time
+    forward = forward_rows
 
-    def timed_forward(seq, inputs, logits_at=None):
+    def timed_forward(model, seq, inputs, logits_at=None):
         clock.now += 1.0
-        return forward(seq, inputs, logits_at)
+        return forward(model, seq, inputs, logits_at)
 
-    monkeypatch.setattr(engine, "_forward", timed_forward)
+    monkeypatch.setattr("specdecode.engine.forward.forward_rows", timed_forward)  # verify forwards
+    monkeypatch.setattr("specdecode.engine.prefill.forward_rows", timed_forward)  # the prompt's
     sampling = SamplingParams(max_tokens=120, ignore_eos=True)
     prompt = "1 2 3 1 2 3 1 2"
     plain = engine.complete(prompt, sampling, SpecConfig("none"))

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
-from conftest import FakeClock
+from conftest import FakeClock, started
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterCaps
-from specdecode.drafters.chain import ChainDrafter
+from specdecode.drafters.combination import CombinationDrafter
 from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
 from specdecode.spec_types import DraftProposal, VerifyResult
 
@@ -59,7 +59,7 @@ class Deferred(Scripted):
         return super().propose(seq, budget)
 
 
-def simulate(chain: ChainDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0,
+def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0,
              prompt_len: int = 100) -> dict:
     """Script a request of `steps` steps through the chain; -> tokens per second, how often each member won
     (and "plain", steps the chooser left without drafts) and the empty proposals' reasons."""
@@ -88,7 +88,7 @@ def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, 
     clock = FakeClock()
     lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
     model = Scripted("model", clock, model_cost, model_acceptance, samples=True)
-    chain = ChainDrafter([lookup, model], combine)
+    chain = CombinationDrafter([lookup, model], combine)
     chain.clock = clock
     return chain, clock
 
@@ -121,7 +121,7 @@ def test_best_is_never_far_below_the_better_single_member():
         for member in ("lookup", "model"):
             clock = FakeClock()
             acceptance, cost = (lookup_acceptance, 0.001) if member == "lookup" else (model_acceptance, model_cost)
-            single = ChainDrafter([Scripted(member, clock, cost, acceptance, samples=member == "model")], "best")
+            single = CombinationDrafter([Scripted(member, clock, cost, acceptance, samples=member == "model")], "best")
             single.clock = clock
             alone.append(simulate(single, clock, 800)["rate"])
         assert rates[0] >= 0.93 * max(alone), (lookup_acceptance, model_acceptance, rates, alone)
@@ -131,7 +131,7 @@ def test_no_drafts_when_no_member_promises_more_than_a_plain_step():
     """A costly member that is rarely accepted: the chooser leaves most steps plain (retrying it now and then,
     as its estimates drift back to the prior) and stays near plain decoding's one token per forward."""
     clock = FakeClock()
-    chain = ChainDrafter([Scripted("model", clock, 0.5, 0.05, samples=True)], "best")
+    chain = CombinationDrafter([Scripted("model", clock, 0.5, 0.05, samples=True)], "best")
     chain.clock = clock
     run = simulate(chain, clock, 800)
     assert run["wins"]["plain"] > 0.8 * 800 and "chooser_plain" in run["withheld"]
@@ -142,7 +142,7 @@ def deferred_chain(start_seconds_per_token: float):
     clock = FakeClock()
     lookup = Scripted("lookup", clock, 0.001, 0.5, samples=False)
     model = Deferred("model", clock, 0.05, 0.9, samples=True, start_seconds_per_token=start_seconds_per_token)
-    chain = ChainDrafter([lookup, model], "best")
+    chain = CombinationDrafter([lookup, model], "best")
     chain.clock = clock
     return chain, clock, model
 
@@ -199,7 +199,7 @@ def test_in_a_batch_the_requests_choosing_one_model_member_draft_together():
     clock = FakeClock()
     first = Batching("first", clock, 0.01, 0.9, samples=True)
     second = Batching("second", clock, 0.02, 0.6, samples=True)
-    chain = ChainDrafter([first, second], "best")
+    chain = CombinationDrafter([first, second], "best")
     chain.clock = clock
     seqs = [SimpleNamespace(drafter_state={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64), generated=0)
             for _ in range(4)]
@@ -216,7 +216,7 @@ def test_in_a_batch_the_requests_choosing_one_model_member_draft_together():
     assert first.batches == [3], "the three requests asked for tokens draft in one call"
     assert second.batches[-1] == 1, "the request the first choice left empty was asked next, alone"
     assert [p.source for p in proposals[:3]] == ["first", "first", "second"]
-    assert proposals[3].size == 0 and "chain" not in seqs[3].drafter_state
+    assert proposals[3].size == 0 and "combination" not in seqs[3].drafter_state
 
 
 def test_estimates():
@@ -265,8 +265,8 @@ def test_a_draft_model_reads_the_prompt_at_start_only_where_every_step_may_use_i
     chain reads the prompt in the prefill phase, as before."""
     prompt = engine.encode("hello hello hello")
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    deferred = engine.start(prompt, sampling, SpecConfig("ngram,draft", combine="best", guard=False))
-    eager = engine.start(prompt, sampling, SpecConfig("ngram,draft", guard=False))
+    deferred = started(engine, prompt, sampling, SpecConfig("ngram,draft", combine="best", guard=False))
+    eager = started(engine, prompt, sampling, SpecConfig("ngram,draft", guard=False))
     assert deferred.drafter_state["draft"].lengths[0] == 0
     assert eager.drafter_state["draft"].lengths[0] == len(prompt)
     for seq in (deferred, eager):
@@ -279,13 +279,13 @@ def test_a_lookup_the_prior_undersells_is_tried_and_then_preferred():
     clock = FakeClock()
     lookup = Scripted("lookup", clock, 0.001, 0.95, samples=False)
     model = Scripted("model", clock, 0.02, 0.8, samples=True)
-    chain = ChainDrafter([model, lookup], "best")
+    chain = CombinationDrafter([model, lookup], "best")
     chain.clock = clock
     learnt = chain.chooser.members["model"]  # as after requests the lookup had nothing for
     learnt.accepted, learnt.examined = [80.0, 64.0, 51.0, 41.0], [100.0, 80.0, 64.0, 51.0]
     learnt.seconds_per_token = 0.02
     run = simulate(chain, clock, 600)
-    single = ChainDrafter([Scripted("lookup", clock, 0.001, 0.95, samples=False)], "best")
+    single = CombinationDrafter([Scripted("lookup", clock, 0.001, 0.95, samples=False)], "best")
     single.clock = clock
     assert run["wins"]["lookup"] > 0.8 * 600
     assert run["rate"] >= 0.93 * simulate(single, clock, 600)["rate"]

@@ -8,7 +8,7 @@ import pytest
 from conftest import save_tiny_model
 
 from specdecode import Engine, SamplingParams, SpecConfig
-from specdecode.drafters.registry import with_serve_defaults
+from specdecode.drafters.registry import resolve_spec, with_serve_defaults
 from specdecode.drafters.suffix import ResponseCache, SuffixOptions
 from specdecode.drafters.suffix_index import TokenIndex, best_candidate, matches, path_candidate, tree_candidate
 from specdecode.errors import SpecDecodeError
@@ -93,7 +93,7 @@ def test_response_cache_is_first_in_first_out_and_reports_its_size():
                                  {"suffix_cache_requests": -1}, {"suffix_tree_nodes": 65}])
 def test_option_values_out_of_range_are_clear_errors(bad):
     with pytest.raises(SpecDecodeError, match=next(iter(bad))):
-        SpecConfig("suffix", options=bad)
+        resolve_spec(SpecConfig("suffix", options=bad))
 
 
 def test_serve_turns_the_cross_request_cache_off_unless_asked():

@@ -9,7 +9,7 @@ import pytest
 from conftest import byte_tokenizer
 
 from specdecode.models.loader import load_model
-from specdecode.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdecode.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "Grüße, café! 世界 says 🙂👍🏽 — done."
 

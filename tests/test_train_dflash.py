@@ -14,9 +14,8 @@ from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.loader import load_model
-from specdecode.training.dflash_train import block_objective, chained_hits, choose_anchors, new_dflash, \
-    train_dflash
-from specdecode.training.eagle3_train import default_layer_ids, feature_columns
+from specdecode.training.dflash import block_objective, chained_hits, choose_anchors, new_dflash, train_dflash
+from specdecode.training.eagle3 import default_layer_ids, feature_columns
 from specdecode.training.features import Shard, check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
 

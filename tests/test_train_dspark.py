@@ -12,11 +12,11 @@ from conftest import save_tiny_model
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
-from specdecode.models.dspark_model import DSparkHeads
+from specdecode.models.heads.dspark import DSparkHeads
 from specdecode.models.loader import load_model
-from specdecode.training.dflash_train import choose_anchors
-from specdecode.training.dspark_train import dspark_objective, new_dspark, train_dspark
-from specdecode.training.eagle3_train import default_layer_ids, feature_columns
+from specdecode.training.dflash import choose_anchors
+from specdecode.training.dspark import dspark_objective, new_dspark, train_dspark
+from specdecode.training.eagle3 import default_layer_ids, feature_columns
 from specdecode.training.features import Shard, check_manifest, extract
 from specdecode.training.loop import CHECKPOINT, TrainSettings, expected_accepted
 

@@ -13,10 +13,10 @@ from eagle3_reference import head_config, random_head, write_head
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
-from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
+from specdecode.models.formats.eagle3 import load_eagle3_head
 from specdecode.models.loader import load_model
 from specdecode.training.data import code_texts, is_held_out, prompts
-from specdecode.training.eagle3_train import Eagle3Unroll, default_layer_ids, train_eagle3
+from specdecode.training.eagle3 import Eagle3Unroll, default_layer_ids, train_eagle3
 from specdecode.training.features import check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
 from specdecode.training.ttt import step_mask, unroll

@@ -18,10 +18,10 @@ from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.formats.mtp_companion import load_companion
 from specdecode.models.loader import load_model
-from specdecode.training.eagle3_train import default_layer_ids
+from specdecode.training.eagle3 import default_layer_ids
 from specdecode.training.features import check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
-from specdecode.training.mtp_train import MTPUnroll, mtp_vocabulary, train_mtp
+from specdecode.training.mtp import MTPUnroll, mtp_vocabulary, train_mtp
 from specdecode.training.ttt import unroll
 
 
@@ -148,7 +148,7 @@ def test_a_gguf_target_gets_a_gguf_with_its_nextn_layers(tmp_path, capsys):
 
 def test_features_are_shared_between_kinds(features, tmp_path):
     """One feature folder serves both trainers: EAGLE-3 reads its three boundaries, MTP the last."""
-    from specdecode.training.eagle3_train import train_eagle3
+    from specdecode.training.eagle3 import train_eagle3
 
     target, folder = features
     copy = tmp_path / "features"

@@ -14,12 +14,13 @@ import pytest
 import torch
 from test_verify_distribution import SETTINGS, _chi_square
 
+from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.tree import ancestor_mask, check_parents, children_of, depths, tree_from_paths
+from specdecode.acceptance.verify import verify
 from specdecode.config import SamplingParams
+from specdecode.engine.forward import verify_inputs
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, VerifyResult
-from specdecode.tree import ancestor_mask, check_parents, children_of, depths, tree_from_paths, verify_inputs
-from specdecode.verify import verify
 
 V = 6  # as test_verify_distribution's SETTINGS and chi-square (alpha = 1e-4, small cells pooled) assume
 BOS = 0

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs
+from specdecode.acceptance.tree import children_of
+from specdecode.acceptance.verify import greedy_walk, sampling_walk, verify
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs
 from specdecode.spec_types import DraftProposal, VerifyResult
-from specdecode.tree import children_of
-from specdecode.verify import greedy_walk, sampling_walk, verify
-
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

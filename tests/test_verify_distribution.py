@@ -21,12 +21,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdecode.chi_square import chi_square
+from specdecode.acceptance.chi_square import chi_square
+from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.verify import verify
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, VerifyResult
-from specdecode.verify import verify
-
 
 V = 6
 NUM_TRIALS = 20_000

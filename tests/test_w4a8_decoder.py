@@ -7,17 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny_model
-from layer_checks import (
-    assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch,
-    forward,
-    pytorch_forward,
-    tokens_of,
-)
+from layer_checks import assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch, forward, pytorch_forward, tokens_of
 from test_w4a8_linear import each_variant
 
+from specdecode.models.kernels import w4a8_linear
+from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.loader import load_model
-from specdecode.models.quant import w4a8_linear
-from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
 
 ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
 

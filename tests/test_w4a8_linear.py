@@ -12,10 +12,11 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q6_K, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models.quant import quantized_model, w4a8_linear
+from specdecode.models import quantized_model
+from specdecode.models.kernels import w4a8_linear
+from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear, minmax_groups
+from specdecode.models.kernels.w4a8_linear import ISA_SETTING, VARIANTS, W4A8Linear
 from specdecode.models.loader import load_model
-from specdecode.models.quant.quantized_linear import Int4Linear, Int8Linear, minmax_groups
-from specdecode.models.quant.w4a8_linear import ISA_SETTING, VARIANTS, W4A8Linear
 
 
 def each_variant() -> list:
@@ -291,7 +292,7 @@ def test_a_build_lock_left_by_an_interrupted_compile_is_removed_and_a_fresh_one_
     import os
     import time
 
-    from specdecode.models.quant.w4a8_linear import STALE_LOCK_SECONDS, clear_stale_build_lock
+    from specdecode.models.kernels.w4a8_linear import STALE_LOCK_SECONDS, clear_stale_build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "specdecode_w4a8_test" / "lock"

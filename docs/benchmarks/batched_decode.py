@@ -38,8 +38,8 @@ from plain_vs_llamacpp import spec_for  # noqa: E402 - "auto" as generate resolv
 from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
 from specdecode.bench.datasets import load_questions  # noqa: E402
 from specdecode.drafters.base import Drafter  # noqa: E402
+from specdecode.models.decoder.kv_cache import CacheBatch  # noqa: E402
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from specdecode.models.kv_cache import CacheBatch  # noqa: E402
 from specdecode.models.loader import load_model  # noqa: E402
 
 DATASET = "../shared/data/humaneval/humaneval_specbench_format.jsonl"

@@ -13,7 +13,7 @@ Kernels: float32 (`F.linear`, the float32 path), bf16 as our bfloat16 path runs 
 weight where oneDNN has a bf16 kernel for this CPU, else `F.linear` on the bf16 weight), weight-only int8 per
 channel (`_weight_int8pack_mm`), weight-only int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`, as
 `--quant int4` calls it), and int8 x int8 with int32 accumulation (`torch._int_mm`, which needs activations
-quantized too), and ours: int4 weights x int8 activations (`--quant w4a8`, specdecode/models/quant/w4a8_kernel.cpp,
+quantized too), and ours: int4 weights x int8 activations (`--quant w4a8`, specdecode/models/kernels/w4a8_kernel.cpp,
 in the variant this CPU gets: AVX-512 VNNI, AVX-VNNI or AVX2, or the one SPECDECODE_W4A8_ISA names; activation
 quantization included in its time).
 """
@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.quant.w4a8_linear import kernel_isa, load_kernel
+from specdecode.models.kernels.w4a8_linear import kernel_isa, load_kernel
 
 # int4: codes + bf16 scale and zero per 32; w4a8: codes + 8-bit scale and offset per 32 + bf16 units per 256
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.625, "int8 x int8": 1.0, "w4a8": 4.625 / 8}
@@ -51,7 +51,7 @@ def table(label: str, out_features: int, in_features: int, kernel) -> None:
     copies = max(2, int(300e6 // (out_features * in_features)))
     torch.manual_seed(0)
     fp32 = [torch.randn(out_features, in_features) for _ in range(copies)]
-    packed = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # as specdecode/models/packed_linear.py decides
+    packed = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # as specdecode/models/decoder/packed_linear.py decides
     bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) if packed else w.bfloat16() for w in fp32]
     int8 = [torch.randint(-127, 127, (out_features, in_features), dtype=torch.int8) for _ in range(copies)]
     int8_scales = torch.rand(out_features).bfloat16()  # [N]

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.bench.check import greedy_identity
 from specdecode.bench.datasets import load_questions
-from specdecode.check import greedy_identity
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.models.loader import load_model
 

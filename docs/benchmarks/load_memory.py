@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from specdecode.models.loader import resolve_source
 from specdecode.models.formats.default_models import DEFAULT_TARGET
+from specdecode.models.loader import resolve_source
 
 CHILD = """
 import json, sys, threading, time

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 from conftest import save_tiny_model  # noqa: E402 - the tests' tiny model builder
 
 from specdecode import Engine, SamplingParams, SpecConfig  # noqa: E402
-from specdecode.logprobs import token_logprobs  # noqa: E402
+from specdecode.acceptance.logprobs import token_logprobs  # noqa: E402
 from specdecode.models.loader import load_model  # noqa: E402
 
 METHODS = ["none", "ngram", "draft", "ngram,draft"]

@@ -37,7 +37,6 @@ from pathlib import Path
 from cpu_decode import PROMPTS
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
-from specdecode.auto_method import choose
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, DEFAULT_TARGET, assemble
 
 LLAMA_SETUPS = {"llama.cpp plain": [], "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"]}
@@ -45,9 +44,7 @@ OUR_METHODS = ("none", "ngram", "draft", "ngram,draft", "auto")  # auto: what `g
 
 
 def spec_for(method: str) -> SpecConfig:
-    """A method of ours as SpecConfig; "auto" as `generate` resolves it for the default pair."""
-    if method == "auto":
-        return SpecConfig(choose(DEFAULT_TARGET, DEFAULT_DRAFT, None).method, combine="best")
+    """A method of ours as SpecConfig ("auto": the engine runs what it finds for the loaded pair)."""
     return SpecConfig(method)
 
 

@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from specdecode.models.decoder.packed_linear import can_pack, pack_linears
+from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.model_config import ModelConfig
-from specdecode.models.packed_linear import can_pack, pack_linears
-from specdecode.models.transformer import Transformer
 
 LAYERS = 28
 

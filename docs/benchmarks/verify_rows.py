@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-import specdecode.models.quant.w4a8_linear as w4a8_linear
+import specdecode.models.kernels.w4a8_linear as w4a8_linear
 from specdecode import load_model
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-QUANT = "specdecode/models/quant"
+QUANT = "specdecode/models/kernels"
 
 
 def kernel_at(commit: str, isa: str):

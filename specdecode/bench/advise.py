@@ -16,7 +16,7 @@ from specdecode.bench.runner import MethodSpec
 from specdecode.bench.suite import run_all, runner_factories
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, needs_draft_model
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 
 WITHOUT_DRAFT_MODEL = "ngram,suffix,ngram:ngram_branches=3"
 WITH_DRAFT_MODEL = WITHOUT_DRAFT_MODEL + ",draft,ngram+draft,suffix+draft,draft:k=5"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.bench.datasets import Question
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
 
 # Top-2 logit gap (in logits) under which a divergence counts as a near-tie: a few bf16 ulps at logit ~20.
 NEAR_TIE_GAP = 0.25

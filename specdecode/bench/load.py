@@ -7,8 +7,8 @@ same sampling; a server's speculation is whatever it runs (ours can be told per 
 
 Prompts are cold by default: every request carries `"cache_prompt": false`, which tells llama.cpp's server and
 ours not to reuse the KV of a prompt seen before (vLLM and SGLang ignore the field). The same
-prompts go out at each concurrency, and with its cache on llama.cpp answered the second time round in 210-418 ms
-against 1165 ms cold (docs/benchmarks, 2026-12-03 at load): that measured its cache, not its scheduling. A peer
+prompts go out at each concurrency, and with its cache on llama.cpp answers the second time round in 210-418 ms
+against 1165 ms cold (docs/benchmarks, 2026-12-03 at load): a warm run measures its cache, not its scheduling. A peer
 written with `cache=on` leaves the server's prompt cache to its own settings. vLLM's and SGLang's prefix caches are
 switched off on their command lines only (`--no-enable-prefix-caching`, `--disable-radix-cache`).
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from specdecode.bench.runner import QuestionResult
-from specdecode.stats import GenerationStats, combine
+from specdecode.engine.stats import GenerationStats, combine
 
 
 def completed(results: list[QuestionResult]) -> list[QuestionResult]:

@@ -8,10 +8,9 @@ from time import perf_counter
 
 from specdecode.bench.datasets import Question
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
+from specdecode.engine.stats import GenerationStats, combine
 from specdecode.errors import SpecDecodeError
-from specdecode.stats import GenerationStats, combine
-
 
 
 @dataclass

@@ -17,8 +17,8 @@ from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
 from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
-from specdecode.drafters.registry import all_options, check_options
-from specdecode.engine import Engine
+from specdecode.drafters.registry import all_options, resolve_spec
+from specdecode.engine.engine import Engine
 from specdecode.errors import SpecDecodeError
 
 RunnerFactory = Callable[[SamplingParams], TurnRunner]
@@ -26,21 +26,17 @@ HEADLINE = ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_
             "ceiling_speedup")
 
 
-def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) -> list[MethodSpec]:
+def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
     """'none,draft,ngram+draft:k=5;ngram_max=3' -> our method specs; '+' chains methods, ':k=N' sets the draft
     length, ':adaptive=on|off' whether it adapts, ':guard=on|off' the speed guard, ':combine=first|best' a
     chain's rule and ':NAME=VALUE' any drafter option (on top of `base`, the command line's settings). 'auto'
-    runs `auto_chain` with combine=best."""
+    runs the drafters found for the target with per-step choice (drafters/auto.py)."""
     specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
     known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
         k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
         relaxed, adaptive = base.relaxed, base.adaptive
-        if name == "auto":
-            if auto_chain is None:
-                raise SpecDecodeError("'auto' in --methods needs the chain auto chose")
-            name, combine = auto_chain.replace(",", "+"), "best"
         for setting in filter(None, settings.split(";")):
             key, _, value = setting.partition("=")
             if key == "k" and value.isdigit():
@@ -59,9 +55,8 @@ def parse_methods(text: str, base: SpecConfig, auto_chain: str | None = None) ->
                 raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, adaptive=on|off, "
                                       f"guard=on|off, combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off "
                                       f"or a drafter option ({', '.join(sorted(known))}) as NAME=VALUE")
-        spec = SpecConfig(name.replace("+", ","), k, adaptive, options, guard=guard, combine=combine,
-                          relaxed=relaxed)
-        check_options(spec)
+        spec = resolve_spec(SpecConfig(name.replace("+", ","), k, adaptive, options, guard=guard, combine=combine,
+                                       relaxed=relaxed))
         if label in (s.name for s in specs[1:]):
             raise SpecDecodeError(f"method {label!r} is listed twice in --methods")
         if label != "none":

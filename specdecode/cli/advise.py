@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
-                                    load_models, spec_from_args)
+from specdecode.cli.options import add_model_args, add_spec_args, build_engine, default_draft_name, spec_from_args
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 
@@ -38,8 +37,6 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.bench.advise import command_line, default_candidates, prompts_as_questions, trial
     from specdecode.bench.datasets import load_questions
     from specdecode.bench.suite import parse_methods
-    from specdecode.drafters import needs_draft_files, needs_draft_model
-    from specdecode.engine import Engine
     from specdecode.models.survey import ships_mtp
 
     if args.max_tokens < 1 or args.limit < 1:
@@ -52,15 +49,10 @@ def run(args: argparse.Namespace) -> int:
     if not questions:
         raise SpecDecodeError("no prompts to try")
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    draft_name = default_draft_name(args)
-    base = spec_from_args(args, has_draft=draft_name is not None, default=None)
-    candidates = args.candidates or default_candidates(draft_name is not None, ships_mtp(args.model))
+    base = spec_from_args(args, default="none")  # the options only: each candidate names its method
+    candidates = args.candidates or default_candidates(default_draft_name(args) is not None, ships_mtp(args.model))
     methods = parse_methods(candidates, base)  # a mistake fails now, before the models load
-    draft_name, draft_path = draft_sources(args, any(needs_draft_model(m.spec) for m in methods),
-                                           any(needs_draft_files(m.spec) for m in methods))
-    target, draft = load_models(args, draft_name, quiet=args.json)
-    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path,
-                    draft_quant=draft_quant(args))
+    engine = build_engine(args, [m.spec for m in methods], quiet=args.json)
     ranking = trial(engine, questions, methods, sampling)
 
     best = ranking[0]

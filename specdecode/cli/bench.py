@@ -8,10 +8,15 @@ from pathlib import Path
 from specdecode.bench.datasets import load_questions
 from specdecode.bench.load import run_load_bench
 from specdecode.bench.suite import parse_methods, run_bench
-from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, auto_sources, draft_quant,
-                                    draft_sources, load_models, sampling_from_args, spec_from_args)
-from specdecode.drafters import needs_draft_files, needs_draft_model
-from specdecode.engine import Engine
+from specdecode.cli.options import (
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    build_engine,
+    draft_quant,
+    sampling_from_args,
+    spec_from_args,
+)
 from specdecode.errors import SpecDecodeError
 
 
@@ -75,16 +80,11 @@ def run(args: argparse.Namespace) -> int:
             raise SpecDecodeError("--concurrency loads servers: name them with --peer openai=URL[,name=LABEL]")
         run_load_bench(args.peer, questions, sampling, args.concurrency, out)
         return 0
-    wants_auto = "auto" in (label.partition(":")[0].strip() for label in args.methods.split(","))
-    auto_chain = auto_sources(args).method if wants_auto else None  # its members' weights load once, below
-    methods = parse_methods(args.methods, spec_from_args(args, has_draft=True, default=None), auto_chain)
-    needs_draft = any(needs_draft_model(m.spec) for m in methods) or "hf" in args.peer
-    draft_name, draft_path = draft_sources(args, needs_draft, any(needs_draft_files(m.spec) for m in methods))
-    target, draft = load_models(args, draft_name)
-    engine = Engine(target, draft, context_limit=args.context, draft_path=draft_path,
-                    draft_quant=draft_quant(args))
+    methods = parse_methods(args.methods, spec_from_args(args, default="none"))  # the options only
+    engine = build_engine(args, [m.spec for m in methods], load_draft_anyway="hf" in args.peer)
     for method in methods:
-        engine.check_spec(method.spec)
+        engine.check_spec(method.spec)  # every method's needs, before the first measurement
+    target, draft = engine.target, engine.draft
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
              "quant": target.quant, "draft_quant": draft_quant(args) if draft else None,
              "questions": len(questions), "max_tokens": sampling.max_tokens,

@@ -7,11 +7,8 @@ import argparse
 import json
 import sys
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
-                                    load_models, spec_from_args)
+from specdecode.cli.options import add_model_args, add_spec_args, build_engine, spec_from_args
 from specdecode.config import SamplingParams
-from specdecode.drafters import needs_draft_files, needs_draft_model
-from specdecode.engine import Engine
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_PROMPTS = [
@@ -44,7 +41,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdecode.check import greedy_identity, sampled_distribution
+    from specdecode.bench.check import greedy_identity, sampled_distribution
 
     if args.max_tokens < 1 or args.trials < 0:
         raise SpecDecodeError("--max-tokens must be >= 1 and --trials >= 0")
@@ -53,13 +50,11 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature <= 0:
         raise SpecDecodeError("--temperature must be above 0: the distribution test samples")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
+    spec = spec_from_args(args)
     if spec.method == "none":
         raise SpecDecodeError("--spec-type none is plain decoding: there is nothing to check")
-    draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
-    target, draft = load_models(args, draft_name, quiet=args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
-                    draft_quant=draft_quant(args))
+    engine = build_engine(args, [spec], quiet=args.json)
+    spec = engine.spec  # auto as the members it found
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
 
     say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts")

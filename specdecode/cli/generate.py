@@ -6,15 +6,20 @@ import argparse
 import json
 import sys
 
-from specdecode.cli.options import (add_model_args, add_sampling_args, add_spec_args, default_draft_name, draft_quant,
-                                    draft_sources, load_models, sampling_from_args, spec_from_args)
+from specdecode.cli.options import (
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    build_engine,
+    sampling_from_args,
+    spec_from_args,
+)
 from specdecode.config import SpecConfig
-from specdecode.drafters import needs_draft_files, needs_draft_model
-from specdecode.engine import Engine
+from specdecode.engine.engine import Engine
+from specdecode.engine.memory import memory_report, peak_rss_bytes, rss_bytes
+from specdecode.engine.stats import GenerationStats
 from specdecode.errors import SpecDecodeError
-from specdecode.memory import memory_report, peak_rss_bytes, rss_bytes
-from specdecode.stats import GenerationStats
-from specdecode.tokenizer import check_text
+from specdecode.models.tokenizer import check_text
 
 
 def add_parser(commands) -> None:
@@ -41,12 +46,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     sampling = sampling_from_args(args)
-    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None)
-    draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec))
+    spec = spec_from_args(args)
     before_load = rss_bytes()
-    target, draft = load_models(args, draft_name, quiet=args.quiet or args.json)
-    engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
-                    draft_quant=draft_quant(args))
+    engine = build_engine(args, [spec], quiet=args.quiet or args.json)
     peaks = {"load": peak_rss_bytes()}
 
     token_ids: list[int] = []

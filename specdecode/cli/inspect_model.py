@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.auto_method import dflash_folder, dspark_folder, head_folder
 from specdecode.models.formats.default_models import DEFAULT_TARGET
+from specdecode.models.formats.drafter_folder import trained_folder
 
 if TYPE_CHECKING:
     from specdecode.models.survey import ModelSurvey
@@ -30,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     source = resolve_source(args.model, quiet=args.json)
     facts = survey(source)
-    drafters = drafters_beside(source, [head_folder(args.model), dflash_folder(args.model),
-                                        dspark_folder(args.model)])
+    drafters = drafters_beside(source, [trained_folder(kind, args.model) for kind in ("eagle3", "dflash", "dspark")])
     drafts = _draft_models(args.model) if facts.runs else []
     methods = _methods(facts, drafters, drafts)
     report = {

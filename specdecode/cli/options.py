@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from specdecode.auto_method import AutoChoice, choose
 from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
-from specdecode.drafters.registry import DRAFTERS, all_options, drafter_paths
+from specdecode.drafters.registry import (
+    DRAFTERS,
+    all_options,
+    drafter_paths,
+    needs_draft_files,
+    needs_draft_model,
+    resolve_spec,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    from specdecode.engine.engine import Engine
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +55,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     aliases = ", ".join(f"{a} ({cls.name})" for cls in DRAFTERS.values() for a in cls.aliases)
-    group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a fallback chain such as ngram,draft; "
+    group.add_argument("--spec-type", help=f"{', '.join(DRAFTERS)}, or a combination such as ngram,draft; "
                        f"llama.cpp's names too: {aliases}; auto (the default): every drafter found for the model "
                        "(its MTP layers, an EAGLE-3 head from --draft-head or where 'specdecode train eagle3' puts "
                        "it, a draft model from --draft-model or an assembled smaller sibling) after suffix, with "
@@ -56,7 +66,7 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the draft length to recent acceptance (default on)")
     group.add_argument("--combine", choices=COMBINE_RULES, default="first",
-                       help="how a chain such as ngram,draft picks each step's proposal: first (llama.cpp's rule: the "
+                       help="how a combination such as ngram,draft picks each step's proposal: first (llama.cpp's rule: the "
                        "first method with a draft) or best (the most expected tokens per second, from acceptance "
                        "and costs measured as it runs); default first")
     group.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
@@ -136,7 +146,7 @@ def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
         return args.draft_quant
     if args.device != "cpu":
         return "none"
-    from specdecode.models.quant.w4a8_linear import w4a8_unavailable
+    from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 
     reason = w4a8_unavailable(quiet) if args.group_size == 32 else "it needs --group-size 32"
     if reason and not quiet:
@@ -155,37 +165,34 @@ def drafter_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in all_options() if getattr(args, name, None) is not None}
 
 
-def spec_from_args(args: argparse.Namespace, has_draft: bool, default: str | None = "auto") -> SpecConfig:
-    """The method and options given. Without --spec-type: `default`, auto for commands that decode with it
-    (measured ahead of ngram,draft and within 5% of the best single method: docs/benchmarks, 2026-12-02 auto);
-    None where the command takes only the options from here (bench, advise) and a fixed chain will do."""
-    asked = args.spec_type == "auto"
-    if args.spec_type is None and default == "auto":
-        args.spec_type = "auto"
-    choice = None
-    if args.spec_type == "auto":  # the drafters found become the chain, with per-step choice
-        choice = auto_sources(args, announce=False)
-        args.spec_type, args.combine = choice.method, "best"
-    method = args.spec_type or ("ngram,draft" if has_draft else "ngram")
-    spec = SpecConfig(method, args.num_draft_tokens, args.adaptive, drafter_options(args), guard=args.guard,
-                      combine=args.combine, relaxed=args.relaxed_acceptance)
-    # Said when asked for, once the options are known good; as the default it stays quiet (the stats name the
-    # chain), so that a user's mistake is still a one-line error.
-    if asked:
-        _announce(args, choice)
-    return spec
+def spec_from_args(args: argparse.Namespace, default: str = "auto") -> SpecConfig:
+    """The method and options given (without --spec-type: `default`; auto for commands that decode with it,
+    measured ahead of ngram,draft and within 5% of the best single method: docs/benchmarks, 2026-12-02 auto),
+    checked against the registry before any model loads."""
+    return resolve_spec(SpecConfig(args.spec_type or default, args.num_draft_tokens, args.adaptive,
+                                   drafter_options(args), guard=args.guard, combine=args.combine,
+                                   relaxed=args.relaxed_acceptance))
 
 
-def auto_sources(args: argparse.Namespace, announce: bool = True) -> AutoChoice:
-    """What auto finds for the target: its draft model and head become --draft-model and --draft-head; one line
-    says what and why."""
-    choice = choose(args.model, args.draft_model, args.draft_head)
-    args.draft_model, args.draft_head = choice.draft_model, choice.draft_head
-    if announce:
-        _announce(args, choice)
-    return choice
+def build_engine(args: argparse.Namespace, specs: list[SpecConfig], quiet: bool = False,
+                 load_draft_anyway: bool = False, prefix_cache_bytes: int = 0) -> Engine:
+    """The models `specs` need and the Engine over them, for every command: the target, a draft model when a
+    method drafts with one, the folders of drafters with weights of their own, and for `auto` whatever it finds
+    for the target (drafters/auto.py). specs[0] is the engine's default. `load_draft_anyway`: serve's
+    --allow-draft-override, a draft model for requests that ask for one. With --spec-type auto asked for by name,
+    one line on stderr says what auto runs and why."""
+    from specdecode.drafters.auto import AutoDrafter, find_sources
+    from specdecode.engine.engine import Engine
 
-
-def _announce(args: argparse.Namespace, choice: AutoChoice) -> None:
-    if not (getattr(args, "quiet", False) or getattr(args, "json", False)):
-        print(choice.line(), file=sys.stderr)
+    wants_model = load_draft_anyway or any(needs_draft_model(spec) for spec in specs)
+    draft_name, draft_path = draft_sources(args, wants_model, any(needs_draft_files(spec) for spec in specs))
+    if any(DRAFTERS[method].finds_sources for spec in specs for method in spec.methods):
+        found = find_sources(args.model, args.draft_model, args.draft_head)
+        draft_name = draft_name or found.draft_model
+        draft_path = found.draft_paths or draft_path
+    target, draft = load_models(args, draft_name, quiet)
+    engine = Engine(target, draft, specs[0] if specs else None, context_limit=args.context, draft_path=draft_path,
+                    draft_quant=draft_quant(args), prefix_cache_bytes=prefix_cache_bytes)
+    if args.spec_type == "auto" and not (quiet or getattr(args, "quiet", False)):
+        print(AutoDrafter.describe(engine.resources), file=sys.stderr)
+    return engine

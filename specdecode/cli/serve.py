@@ -8,12 +8,10 @@ import socket
 import sys
 from dataclasses import replace
 
-from specdecode.cli.options import (add_model_args, add_spec_args, default_draft_name, draft_quant, draft_sources,
-                                    load_models, spec_from_args)
+from specdecode.cli.options import add_model_args, add_spec_args, build_engine, spec_from_args
 from specdecode.config import SpecConfig
-from specdecode.drafters import needs_draft_files, needs_draft_model
-from specdecode.drafters.registry import DRAFTERS, all_options, check_options, with_serve_defaults
-from specdecode.engine import Engine
+from specdecode.drafters import needs_draft_files
+from specdecode.drafters.registry import DRAFTERS, all_options, resolve_spec, with_serve_defaults
 from specdecode.errors import SpecDecodeError
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
 
@@ -42,9 +40,8 @@ def spec_from_vllm(config_json: str, base: SpecConfig) -> tuple[SpecConfig, str 
         if item.metadata["vllm"] in config:
             options[name] = config[item.metadata["vllm"]]
     try:
-        spec = replace(base, method=methods[method], options=options,
-                       num_draft_tokens=int(config.get("num_speculative_tokens", base.num_draft_tokens)))
-        check_options(spec)
+        spec = resolve_spec(replace(base, method=methods[method], options=options,
+                                    num_draft_tokens=int(config.get("num_speculative_tokens", base.num_draft_tokens))))
     except (TypeError, ValueError) as error:
         raise SpecDecodeError(f"--speculative-config has a value of the wrong type ({error})") from None
     return spec, config.get("model")
@@ -125,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     public_routes = check_serve_args(args)
     # vLLM's --speculative-config names the method itself: auto is only the default without it.
-    spec = spec_from_args(args, has_draft=default_draft_name(args) is not None,
-                          default=None if args.speculative_config else "auto")
+    spec = spec_from_args(args, default="none" if args.speculative_config else "auto")
     if args.speculative_config:
         spec, named_draft = spec_from_vllm(args.speculative_config, spec)
         if named_draft is not None:  # vLLM's "model": a draft model, or the folder of an EAGLE-3 head
@@ -134,17 +130,14 @@ def run(args: argparse.Namespace) -> int:
                 args.draft_head = named_draft
             else:
                 args.draft_model = named_draft
-    spec = with_serve_defaults(spec)
-    check_options(spec)
+    spec = resolve_spec(with_serve_defaults(spec))
     listening = listening_socket(args.host, args.port)  # before minutes of loading, not after
     with listening:
-        draft_name, draft_path = draft_sources(args, needs_draft_model(spec), needs_draft_files(spec),
-                                               args.allow_draft_override)
-        target, draft = load_models(args, draft_name)
-        engine = Engine(target, draft, spec, context_limit=args.context, draft_path=draft_path,
-                        draft_quant=draft_quant(args), prefix_cache_bytes=args.prefix_cache)
+        engine = build_engine(args, [spec], load_draft_anyway=args.allow_draft_override,
+                              prefix_cache_bytes=args.prefix_cache)
+        spec = engine.spec  # auto as the members it found
         settings = ServerSettings(
-            model_name=args.served_model_name or target.name, spec=spec, api_key=args.api_key,
+            model_name=args.served_model_name or engine.target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,
             max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
             shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=args.kv_memory,

@@ -6,8 +6,8 @@ in a features folder that every drafter kind reads (CACHE/features/TARGET by def
 and the target runs once); then the training-time test over them (training/loop.py), with held-out acceptance
 on the progress bar and a checkpoint every --eval-every sequences. eagle3 writes a head in the reference
 layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target);
-dflash writes a DFlash drafter in z-lab's layout (training/dflash_train.py: anchored blocks, not the unroll);
-dspark a DSpark drafter in DeepSpec's layout (training/dspark_train.py: the same blocks, with its two heads).
+dflash writes a DFlash drafter in z-lab's layout (training/dflash.py: anchored blocks, not the unroll);
+dspark a DSpark drafter in DeepSpec's layout (training/dspark.py: the same blocks, with its two heads).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.auto_method import dflash_folder, dspark_folder, features_folder, head_folder, mtp_folder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
+from specdecode.models.formats.drafter_folder import trained_folder
 
 KINDS = ("eagle3", "mtp", "dflash", "dspark")
-DEFAULT_OUT = {"eagle3": head_folder, "mtp": mtp_folder, "dflash": dflash_folder, "dspark": dspark_folder}
 BLOCK_KINDS = ("dflash", "dspark")
 
 
@@ -111,16 +110,16 @@ def training_texts(answers: int):
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdecode.models.loader import check_device, load_model
-    from specdecode.training.eagle3_train import default_layer_ids, train_eagle3
+    from specdecode.training.dflash import train_dflash
+    from specdecode.training.dspark import train_dspark
+    from specdecode.training.eagle3 import default_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings
-    from specdecode.training.dflash_train import train_dflash
-    from specdecode.training.dspark_train import train_dspark
-    from specdecode.training.mtp_train import train_mtp
+    from specdecode.training.mtp import train_mtp
 
     check_device(args.device)
-    out = Path(args.out) if args.out else DEFAULT_OUT[args.kind](args.target)
-    features = Path(args.features) if args.features else features_folder(args.target)
+    out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
+    features = Path(args.features) if args.features else trained_folder("features", args.target)
     for folder in (out, features):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -157,11 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace, out: Path) -> str:
-    if args.kind == "eagle3":
-        auto = " (or --spec-type auto, which looks here)" if out == head_folder(args.target) else ""
-        return f"specdecode generate \"...\" --model {args.target} --spec-type eagle3 --draft-model {out}{auto}"
-    if args.kind in BLOCK_KINDS:
-        return f"specdecode generate \"...\" --model {args.target} --spec-type {args.kind} --draft-model {out}"
+    if args.kind == "eagle3" or args.kind in BLOCK_KINDS:
+        auto = " (or --spec-type auto, which looks here)" if out == trained_folder(args.kind, args.target) else ""
+        return f"specdecode generate \"...\" --model {args.target} --spec-type {args.kind} --draft-model {out}{auto}"
     model = next(iter(sorted(out.glob("*-mtp.gguf"))), out)  # the GGUF file keeps the target's own quantization
     companion = next(iter(sorted(out.glob("mtp-*.gguf"))), None)
     beside = f"; or --model {args.target} --draft-model {companion} (no second trunk)" if companion else ""

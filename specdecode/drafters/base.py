@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
     import torch
 
-    from specdecode.models.kv_cache import KVCache
+    from specdecode.models.decoder.kv_cache import KVCache
     from specdecode.models.loader import LoadedModel
 
 
@@ -80,14 +81,47 @@ class Drafter:
     aliases: ClassVar[tuple[str, ...]] = ()  # other runtimes' method names for it (llama.cpp's --spec-type)
     vllm_method: ClassVar[str | None] = None  # vLLM's speculative_config "method" for it
     tree_options: ClassVar[dict[str, Any]] = {}  # options that make it propose trees (when caps.emits_trees)
+    weights_kind: ClassVar[str] = "weights of its own"  # what --draft-head names for it, when caps.draft_files
+    auto_rank: ClassVar[int | None] = None  # where `auto` tries it among the drafters found (lower first); None: never
+    finds_sources: ClassVar[bool] = False  # it decides what to load before models load (auto.find_sources)
 
     @classmethod
     def create(cls, resources: DrafterResources, options: Any) -> Drafter:
         return cls()
 
+    @classmethod
+    def check_resources(cls, resources: DrafterResources) -> None:
+        """Raise SpecDecodeError when what it needs was not loaded or named (a draft model, a folder of its own
+        weights), saying which flag gives it; from its capabilities alone, building nothing."""
+        if cls.caps.needs_draft_model and resources.draft is None:
+            raise SpecDecodeError(f"method '{cls.name}' needs a draft model (--draft-model NAME_OR_PATH)")
+        if cls.caps.draft_files and resources.path_for(cls.name) is None:
+            raise SpecDecodeError(f"method '{cls.name}' needs {cls.weights_kind}: --draft-model PATH (a folder with "
+                                  "config.json and safetensors weights), or --draft-head PATH beside a draft model")
+
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
         covers the prompt's rows (hidden states at every row, logits at the last)."""
+
+    @classmethod
+    def found_for(cls, resources: DrafterResources) -> str | None:
+        """For `auto` (drafters/auto.py): what makes this drafter usable with what was loaded, in a few words, or
+        None when it cannot draft here."""
+        try:
+            cls.check_resources(resources)
+        except SpecDecodeError:
+            return None
+        if cls.caps.draft_files:
+            return f"{cls.weights_kind} at {resources.path_for(cls.name)}"
+        if cls.caps.needs_draft_model:
+            return f"draft model {resources.draft.name}"
+        return "free to run"
+
+    @classmethod
+    def stands_for(cls, resources: DrafterResources) -> list[str] | None:
+        """The drafters a combination that drafts nothing itself (`auto`) stands for with these resources; None
+        for a drafter that drafts."""
+        return None
 
     def defer_start(self, seq: Sequence) -> bool:
         """Begin a request without reading the prefill, where this drafter can: its first proposal then catches

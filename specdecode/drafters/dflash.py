@@ -1,4 +1,4 @@
-"""DFlash: a block-diffusion drafter proposes a whole block in one forward (models/dflash_model.py).
+"""DFlash: a block-diffusion drafter proposes a whole block in one forward (models/heads/dflash.py).
 
 As the reference's loop (PyPI `dflash`, dflash_generate): the drafter's cache holds context keys and values for
 every committed position but the last, made from the target's states there; a proposal is one forward of the
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import fix_dflash_attention
-from specdecode.models.dflash_model import DFlashModel
-from specdecode.models.kv_cache import KVCache
+from specdecode.models.decoder.kv_cache import KVCache
+from specdecode.models.heads.dflash import DFlashModel
 from specdecode.models.loader import module_bytes
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -45,16 +45,13 @@ class DFlashOptions:
                                   f"got {self.dflash_block_size}")
 
 
-def shared_weights(resources: DrafterResources, method: str, what: str, load) -> DFlashModel:
+def shared_weights(resources: DrafterResources, method: str, load) -> DFlashModel:
     """The block drafter in the folder given for `method`, loaded by `load(path, target, positions)` once per
     Engine (configurations that differ only in options, such as the block size, share it) and quantized as the
     drafter's weights are asked to be."""
-    from specdecode.models.quant.quantize_module import quantize_linears
+    from specdecode.models.kernels.quantize_module import quantize_linears
 
     path = resources.path_for(method)
-    if path is None:
-        raise SpecDecodeError(f"method '{method}' needs {what}: --draft-model PATH (a folder with config.json and "
-                              "safetensors weights), or --draft-head PATH beside a draft model")
     key = f"{method}:{path}"
     if key not in resources.own_weights:
         model, description = load(path, resources.target.model, resources.context_limit + MAX_DRAFT_TOKENS + 2)
@@ -76,6 +73,8 @@ class DFlashState:
 @register
 class DFlashDrafter(Drafter):
     name = "dflash"
+    auto_rank = 3
+    weights_kind = "a DFlash drafter"
     caps = DrafterCaps(emits_probs=True, block_size=16, draft_files=True)
     Options = DFlashOptions
     aliases = ("draft-dflash",)
@@ -90,9 +89,10 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def create(cls, resources: DrafterResources, options: DFlashOptions) -> DFlashDrafter:
-        from specdecode.models.formats.dflash_checkpoint import load_dflash
+        from specdecode.models.formats.dflash import load_dflash
 
-        return cls(shared_weights(resources, "dflash", "a DFlash drafter", load_dflash), options)
+        cls.check_resources(resources)
+        return cls(shared_weights(resources, "dflash", load_dflash), options)
 
     def max_nodes(self, budget: int) -> int:
         return min(budget, self.block - 1)

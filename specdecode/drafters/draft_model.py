@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.batched import forward_groups
-from specdecode.models.kv_cache import CacheBatch, KVCache
-from specdecode.models.loader import LoadedModel
 from specdecode.models.batch_invariance import batch_invariant
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.models.decoder.forward_inputs import forward_groups
+from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.loader import LoadedModel
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class DraftModelOptions:
 @register
 class DraftModelDrafter(Drafter):
     name = "draft"
+    auto_rank = 5  # about a third of a target step per drafted token: the costliest member
     caps = DrafterCaps(emits_probs=True, emits_trees=True, needs_draft_model=True)
     Options = DraftModelOptions
     vllm_method = "draft_model"
@@ -59,8 +60,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
-        if resources.draft is None:
-            raise SpecDecodeError("method 'draft' needs a draft model (--draft-model NAME_OR_PATH)")
+        cls.check_resources(resources)
         check_vocabularies(resources.target, resources.draft)
         return cls(resources.draft, resources.target.config.vocab_size, options)
 
@@ -78,7 +78,7 @@ class DraftModelDrafter(Drafter):
 
     def defer_start(self, seq: Sequence) -> bool:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
-        slack = seq.draft_length.maximum * (self.options.draft_tree_width if self.tree else 1)
+        slack = seq.draft_limit * (self.options.draft_tree_width if self.tree else 1)
         cache = self.draft.model.new_cache(seq.capacity + slack)
         reused = seq.reused_drafter_rows.get(self.name)
         if reused is not None:  # the prompt's beginning, as an earlier request read it (prefix_cache.py)

@@ -1,5 +1,5 @@
 """DSpark: DFlash's block drafting (drafters/dflash.py) with DeepSpec's slot convention, a Markov head and a
-confidence cut (models/dspark_model.py).
+confidence cut (models/heads/dspark.py).
 
 The drafter's context is DFlash's: the target's states of every committed position but the last, as keys and
 values in every draft layer. A proposal is one backbone forward of [last committed token, MASK x (B-1)] at the
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import DrafterCaps, DrafterResources, option
 from specdecode.drafters.dflash import DFlashDrafter, shared_weights
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.models.dspark_model import DSparkModel
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.models.heads.dspark import DSparkModel
 from specdecode.spec_types import DraftProposal, Sequence
 
 DEFAULT_CONFIDENCE = 0.3  # measured on the default target (docs/benchmarks/README.md, DSpark section)
@@ -47,6 +47,8 @@ class DSparkOptions:
 @register
 class DSparkDrafter(DFlashDrafter):
     name = "dspark"
+    auto_rank = 4
+    weights_kind = "a DSpark drafter"
     caps = DrafterCaps(emits_probs=True, block_size=8, draft_files=True)
     Options = DSparkOptions
     aliases = ("draft-dspark",)
@@ -63,9 +65,10 @@ class DSparkDrafter(DFlashDrafter):
 
     @classmethod
     def create(cls, resources: DrafterResources, options: DSparkOptions) -> DSparkDrafter:
-        from specdecode.models.formats.dspark_checkpoint import load_dspark
+        from specdecode.models.formats.dspark import load_dspark
 
-        return cls(shared_weights(resources, "dspark", "a DSpark drafter", load_dspark), options)
+        cls.check_resources(resources)
+        return cls(shared_weights(resources, "dspark", load_dspark), options)
 
     def max_nodes(self, budget: int) -> int:
         return min(budget, self.block)
@@ -77,7 +80,7 @@ class DSparkDrafter(DFlashDrafter):
         with torch.inference_mode():
             doubtful = bool(self.threshold) and self._doubtful(hidden[:1], self._root(seq))
         if doubtful:
-            seq.stats.note("dspark_confidence_cut", slots)
+            seq.note("dspark_confidence_cut", slots)
             return hidden[:0]
         return hidden[:slots]
 
@@ -92,7 +95,7 @@ class DSparkDrafter(DFlashDrafter):
             markov = self.model.start_state(1)  # [1, r]
             for slot in range(slots):
                 if slot and self.threshold and self._doubtful(hidden[slot : slot + 1], previous):
-                    seq.stats.note("dspark_confidence_cut", slots - slot)
+                    seq.note("dspark_confidence_cut", slots - slot)
                     break
                 logits, markov = self.model.slot_logits(base[slot : slot + 1], hidden[slot : slot + 1], previous,
                                                         markov)

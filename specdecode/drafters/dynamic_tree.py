@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.acceptance.sampling import logits_to_probs
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs
 
 
 class DynamicTree:

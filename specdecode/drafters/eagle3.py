@@ -1,4 +1,4 @@
-"""EAGLE-3: a one-layer head reads three of the target's hidden states and drafts from them (models/eagle3_head.py).
+"""EAGLE-3: a one-layer head reads three of the target's hidden states and drafts from them (models/heads/eagle3.py).
 
 Alignment (as the reference and vLLM): the head's row for position p pairs the target's features of token p
 with the embedding of token p+1, at rope position p, and predicts token p+2. After each step the head reads the
@@ -23,14 +23,14 @@ import torch
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
-from specdecode.drafters.hidden_chain import draft_chains, read_pending
+from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.models.eagle3_head import Eagle3Head
 from specdecode.models.batch_invariance import fix_eagle3_attention
-from specdecode.models.kv_cache import CacheBatch, KVCache
+from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.heads.draft_vocab import spread_to_vocab
+from specdecode.models.heads.eagle3 import Eagle3Head
 from specdecode.models.loader import module_bytes
-from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class Eagle3State:
 @register
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    auto_rank = 2
+    weights_kind = "an EAGLE-3 head"
     caps = DrafterCaps(emits_probs=True, emits_trees=True, draft_files=True)
     Options = Eagle3Options
     aliases = ("draft-eagle3",)
@@ -81,13 +83,11 @@ class Eagle3Drafter(Drafter):
 
     @classmethod
     def create(cls, resources: DrafterResources, options: Eagle3Options) -> Eagle3Drafter:
-        from specdecode.models.formats.eagle3_checkpoint import load_eagle3_head
-        from specdecode.models.quant.quantize_module import quantize_linears
+        from specdecode.models.formats.eagle3 import load_eagle3_head
+        from specdecode.models.kernels.quantize_module import quantize_linears
 
+        cls.check_resources(resources)
         path = resources.path_for("eagle3")
-        if path is None:
-            raise SpecDecodeError("method 'eagle3' needs an EAGLE-3 head: --draft-model PATH (a folder with "
-                                  "config.json and safetensors weights), or --draft-head PATH beside a draft model")
         target = resources.target.model
         key = f"eagle3:{path}"
         if key not in resources.own_weights:  # another configuration (chain or tree) may have loaded it
@@ -108,7 +108,7 @@ class Eagle3Drafter(Drafter):
         return self.options.eagle3_tree_nodes if self.tree else budget
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
-        slack = seq.draft_length.maximum * (self.options.eagle3_tree_width if self.tree else 1)
+        slack = seq.draft_limit * (self.options.eagle3_tree_width if self.tree else 1)
         state = Eagle3State(self.head.new_cache(seq.capacity + slack), 0, self._features(prefill))
         seq.drafter_state[self.name] = state
         self._read_pending([seq], [state])  # the prompt now, in the prefill phase
@@ -146,7 +146,7 @@ class Eagle3Drafter(Drafter):
             return self.head.fuse([target.hidden[i] for i in self.head.config.layer_ids])
 
     def _read_pending(self, seqs: list[Sequence], states: list[Eagle3State]) -> None:
-        """Feed the head every committed position it has not read (hidden_chain.read_pending)."""
+        """Feed the head every committed position it has not read (hidden_drafting.read_pending)."""
 
         def forward(tokens, hidden, positions, cache, last):
             return self.head(tokens, hidden, positions, cache, logits_at=last)

@@ -1,4 +1,4 @@
-"""MTP: draft with the multi-token-prediction modules the target ships (models/mtp.py); no second model.
+"""MTP: draft with the multi-token-prediction modules the target ships (models/decoder/mtp.py); no second model.
 
 Alignment (as vLLM's MTP proposer, and EAGLE-3's, eagle3.py): module 0's row for position p pairs the target's
 final hidden state of token p with the embedding of token p+1, at rope position p, and predicts token p+2.
@@ -27,15 +27,14 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
-from specdecode.drafters.hidden_chain import draft_chains, read_pending
+from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
-from specdecode.models.kv_cache import CacheBatch, KVCache
+from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.heads.draft_vocab import frequent_ids, reduced_head, spread_to_vocab
 from specdecode.models.loader import module_bytes
-from specdecode.models.quant.w4a8_linear import TILE_ROWS
-from specdecode.models.transformer import Transformer
-from specdecode.sampling import spread_to_vocab
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -69,6 +68,7 @@ class MTPState:
 @register
 class MTPDrafter(Drafter):
     name = "mtp"
+    auto_rank = 1  # the model's own layers: what the seed advises first
     caps = DrafterCaps(final_hidden=True, emits_probs=True, draft_files=True)
     Options = MTPOptions
     aliases = ("draft-mtp",)
@@ -88,6 +88,18 @@ class MTPDrafter(Drafter):
         fixed = batch_invariant_mtp(shipped, target.lm_head if draft_head is None else draft_head, target.dtype)
         self.batch_invariant = fixed is not None
         self.running = shipped if fixed is None else fixed
+
+    @classmethod
+    def found_for(cls, resources: DrafterResources) -> str | None:
+        if resources.target.config.mtp_layers:
+            return "the target ships MTP layers"
+        path = _companion_path(resources)
+        return None if path is None else f"MTP layers in {path}"
+
+    @classmethod
+    def check_resources(cls, resources: DrafterResources) -> None:
+        """Its layers come inside the target or in a companion file (--draft-head optional): which of them holds
+        them is known only by reading them, in `create`."""
 
     @classmethod
     def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
@@ -110,7 +122,7 @@ class MTPDrafter(Drafter):
         return cls(model, options, resources.own_weights[key], ids.to(model.device), companion)
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
-        room = seq.capacity + seq.draft_length.maximum
+        room = seq.capacity + seq.draft_limit
         caches = [self.target.new_mtp_cache(room) for _ in range(self.modules)]
         state = MTPState(caches, 0, prefill.final_hidden)
         seq.drafter_state[self.name] = state
@@ -135,7 +147,7 @@ class MTPDrafter(Drafter):
             module = min(index, self.modules - 1)
             if module < index:
                 for b in going:
-                    seqs[b].stats.note("mtp_module_reused")
+                    seqs[b].note("mtp_module_reused")
             # [F, 1] each: one position on per step
             positions = torch.tensor([[len(seqs[b].tokens) - 2 + index] for b in going], device=device)
             caches = [states[b].caches[module] for b in going]
@@ -162,7 +174,7 @@ class MTPDrafter(Drafter):
         return sum(module_bytes(part) for part in (self.draft_head, self.companion) if part is not None)
 
     def _read_pending(self, seqs: list[Sequence], states: list[MTPState]) -> None:
-        """Feed module 0 every committed position it has not read (hidden_chain.read_pending)."""
+        """Feed module 0 every committed position it has not read (hidden_drafting.read_pending)."""
 
         def forward(tokens, hidden, positions, cache, last):
             return self._module(0, tokens, hidden, positions, cache, logits_at=last)
@@ -185,55 +197,36 @@ class MTPDrafter(Drafter):
         return spread_to_vocab(logits, self.draft_to_target, self.target.config.vocab_size)
 
 
-def _companion(resources: DrafterResources) -> nn.ModuleList | None:
-    """The MTP modules of a companion file: the one given (--draft-model, or --draft-head mtp=PATH), else, for a
-    target loaded from a GGUF file without MTP layers of its own, one beside it (mtp-*.gguf); None without either.
-    One path given for every drafter (--draft-head PATH) is this one's only when it is a GGUF file: a folder
-    there is another drafter's (auto pairs a model's MTP layers with an EAGLE-3 head that way)."""
-    from specdecode.models.formats.mtp_companion import companion_beside, load_companion
+def _companion_path(resources: DrafterResources) -> Path | None:
+    """The companion file holding MTP modules for the target: the one given (--draft-model, or --draft-head
+    mtp=PATH), else, for a target loaded from a GGUF file without MTP layers of its own, one beside it
+    (mtp-*.gguf); None without either. One path given for every drafter (--draft-head PATH) is this one's only
+    when it is a GGUF file: a folder there is another drafter's (auto pairs a model's MTP layers with an EAGLE-3
+    head that way)."""
+    from specdecode.models.formats.mtp_companion import companion_beside
 
     model = resources.target.model
     given = resources.path_for("mtp")
     if given is not None and not isinstance(resources.draft_path, dict) and not str(given).lower().endswith(".gguf"):
         given = None
     if given is not None:
-        path = Path(given).expanduser()
-    elif model.config.mtp_layers or not resources.target.name.lower().endswith(".gguf"):
+        return Path(given).expanduser()
+    if model.config.mtp_layers or not resources.target.name.lower().endswith(".gguf"):
         return None
-    else:
-        path = companion_beside(Path(resources.target.name).expanduser())
-        if path is None:
-            return None
+    return companion_beside(Path(resources.target.name).expanduser())
+
+
+def _companion(resources: DrafterResources) -> nn.ModuleList | None:
+    """The MTP modules of the companion file (_companion_path), loaded once per Engine; None without one."""
+    from specdecode.models.formats.mtp_companion import load_companion
+
+    path = _companion_path(resources)
+    if path is None:
+        return None
+    model = resources.target.model
     key = f"mtp:{path.resolve()}"
     if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
         modules, description = load_companion(path, model.config, model.dtype, model.device, resources.draft_quant)
         log.info("%s", description)
         resources.own_weights[key] = modules
     return resources.own_weights[key]
-
-
-def frequent_ids(size: int, vocab: int, end_of_turn: frozenset[int]) -> torch.Tensor:
-    """The `size` lowest ids (a byte-level BPE vocabulary numbers its merges most frequent first), a few more of
-    them to make a multiple of TILE_ROWS with the end-of-turn tokens, and those, ascending -> [Vd] long: what
-    `mtp_draft_vocab` drafts over and `train mtp` trains on."""
-    lowest = min(size, vocab)
-
-    def ends() -> list[int]:
-        return sorted(t for t in end_of_turn if lowest <= t < vocab)
-
-    # A head of whole tiles runs in the w4a8 kernel; else it falls back to int8.
-    while (lowest + len(ends())) % TILE_ROWS and lowest < vocab:
-        lowest += 1
-    return torch.cat([torch.arange(lowest), torch.tensor(ends(), dtype=torch.long)])
-
-
-def reduced_head(model: Transformer, ids: torch.Tensor, quant: str) -> nn.Module:
-    """The output head's rows `ids` [Vd] as a layer of their own, in `quant` (--draft-quant)."""
-    from specdecode.models.quant.quantize_module import quantize_linears
-
-    rows = model.output_rows(ids).to(model.dtype)  # [Vd, H], whatever the head's storage
-    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-    layer.weight = nn.Parameter(rows, requires_grad=False)
-    head = nn.Sequential(layer)  # a container, so quantize_linears can swap the layer in place
-    quantize_linears(head, quant)
-    return head

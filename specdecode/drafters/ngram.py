@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdecode.acceptance.tree import tree_from_paths
 from specdecode.drafters.base import Drafter, DrafterCaps, option
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence
-from specdecode.tree import tree_from_paths
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,41 @@ def canonical_method(name: str) -> str:
     return name
 
 
+def resolve_spec(spec: SpecConfig) -> SpecConfig:
+    """`spec` as the engine runs it, checked against the registry: method names as ours (another runtime's name
+    for one is taken too), each option known and of a value its drafter accepts, the relaxed rule in its canonical
+    form; a SpecDecodeError names the first thing wrong. Builds nothing."""
+    from specdecode.acceptance.relaxed import Relaxed  # imports torch, which `specdecode models` does without
+
+    resolved = replace(spec, method=",".join(canonical_method(m) for m in spec.methods),
+                       relaxed=None if spec.relaxed is None else str(Relaxed.parse(spec.relaxed)))
+    validate_method(resolved)
+    check_options_given(dict(resolved.options))
+    check_options(resolved)
+    return resolved
+
+
+def expand_spec(spec: SpecConfig, resources: DrafterResources) -> SpecConfig:
+    """A resolved `spec` with every combination that stands for other drafters (`auto`) replaced by its members
+    for `resources`, which then run with per-step choice (combine="best")."""
+    names, combine = [], spec.combine
+    for name in spec.methods:
+        members = DRAFTERS[name].stands_for(resources)
+        if members is None:
+            names.append(name)
+        else:
+            names.extend(members)
+            combine = "best"
+    return replace(spec, method=",".join(dict.fromkeys(names)), combine=combine)
+
+
+def check_resources(spec: SpecConfig, resources: DrafterResources) -> None:
+    """Whether what `spec`'s drafters need was loaded (a draft model, a folder of their own weights), checked
+    from their capabilities without building them; the message says which flag provides it."""
+    for name in validate_method(spec):
+        DRAFTERS[name].check_resources(resources)
+
+
 def check_options_given(given: dict[str, Any]) -> None:
     """Every option names a registered drafter's option and has a value that drafter accepts."""
     known = all_options()
@@ -64,7 +99,7 @@ def validate_method(spec: SpecConfig) -> tuple[str, ...]:
     if not methods or unknown:
         raise SpecDecodeError(
             f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(DRAFTERS))} "
-            "or a comma-separated chain such as 'ngram,draft'"
+            "or a comma-separated combination such as 'ngram,draft'"
         )
     return methods
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterCaps, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.registry import register
 from specdecode.drafters.suffix_index import Candidate, TokenIndex, best_candidate
 from specdecode.errors import SpecDecodeError
@@ -91,6 +91,11 @@ class ResponseCache:
 @register
 class SuffixDrafter(Drafter):
     name = "suffix"
+    auto_rank = 0  # free to run, often right on code and edits: auto asks it first
+
+    @classmethod
+    def found_for(cls, resources: DrafterResources) -> str:
+        return "free, for text that repeats"
     Options = SuffixOptions
     caps = DrafterCaps(emits_trees=True)
     vllm_method = "suffix"

@@ -8,13 +8,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from specdecode.models.dflash_model import DFlashModel
-from specdecode.models.eagle3_head import Eagle3Head
-from specdecode.models.float_decoder import FloatDecoderLayer, fixed_order_attention
-from specdecode.models.mtp import MTPModule
-from specdecode.models.quant.w4a8_decoder import W4A8DecoderLayer
-from specdecode.models.quant.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
-from specdecode.models.transformer import Transformer
+from specdecode.models.decoder.mtp import MTPModule
+from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.heads.dflash import DFlashModel
+from specdecode.models.heads.eagle3 import Eagle3Head
+from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fixed_order_attention
+from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
+from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
 
 
 def batch_invariant(model: Transformer) -> bool:

@@ -16,18 +16,23 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.float_decoder import fix_float_layers
-from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
-from specdecode.models.model_config import ModelConfig
-from specdecode.models.packed_linear import PackedLinear, can_pack, pack_linears
-from specdecode.models.quant.auto_quant import choose_quant
-from specdecode.models.quant.quantized_linear import check_quant
-from specdecode.models.quant.quantized_model import load_quantized, quantized_cache_folder
+from specdecode.models.auto_quant import choose_quant
+from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, pack_linears
+from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
-from specdecode.models.transformer import Transformer
-from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, stacked, \
-    with_present_mtp
-from specdecode.tokenizer import Tokenizer
+from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
+from specdecode.models.formats.weight_source import (
+    FolderWeights,
+    GGUFWeights,
+    matching_sources,
+    stacked,
+    with_present_mtp,
+)
+from specdecode.models.kernels.float_decoder import fix_float_layers
+from specdecode.models.kernels.quantized_linear import check_quant
+from specdecode.models.model_config import ModelConfig
+from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
+from specdecode.models.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -93,7 +98,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     """Load a default name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
 
     quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;
-    "w4a8" (int4 weights, int8 activations); "auto" chooses (quant/auto_quant.py) and says what and why unless
+    "w4a8" (int4 weights, int8 activations); "auto" chooses (auto_quant.py) and says what and why unless
     quiet. Quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
     """
     check_device(device)

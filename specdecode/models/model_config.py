@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from specdecode.errors import SpecDecodeError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Hugging Face model types that are one of ours plus multi-token-prediction layers (models/mtp.py).
+# Hugging Face model types that are one of ours plus multi-token-prediction layers (decoder/mtp.py).
 MTP_ARCHITECTURES = {"mimo": "qwen2"}
-MTP_LAYOUTS = ("deepseek", "mimo")  # tensor naming and concat order, see models/mtp.py
+MTP_LAYOUTS = ("deepseek", "mimo")  # tensor naming and concat order, see decoder/mtp.py
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # Multi-token-prediction modules (models/mtp.py): how many the weights hold and load, how many the config
+    # Multi-token-prediction modules (decoder/mtp.py): how many the weights hold and load, how many the config
     # declares (more when a conversion dropped them), and their naming.
     mtp_layers: int = 0
     mtp_declared: int = 0

@@ -7,8 +7,9 @@ folder's tokenizer and config.json. LM Studio's pairing advice does the same fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats.default_models import DEFAULT_MODELS, status
+from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, status
 from specdecode.models.formats.gguf_header import TOKENS_KEY, read_header
 
 # Above this share of the target's weights a draft rarely pays: each drafted token costs too much of a step.
@@ -34,7 +35,7 @@ def model_facts(name: str) -> ModelFacts:
     """A default name (assembled if needed), a .gguf file or a model folder -> its size and vocabulary."""
     # Here, not at the top: the loader imports torch, and `specdecode models` without --drafts-for needs none.
     from specdecode.models.loader import read_config, resolve_source
-    from specdecode.tokenizer import Tokenizer
+    from specdecode.models.tokenizer import Tokenizer
 
     path = resolve_source(name, quiet=False)  # a .gguf file or a folder with config.json, or a clear error
     if path.is_file():
@@ -63,3 +64,22 @@ def pair(target: ModelFacts, candidate: ModelFacts) -> Pairing:
     if ratio > MAX_USEFUL_RATIO:
         return Pairing(candidate, ratio, True, "same vocabulary, but over half the target's size: unlikely to pay")
     return Pairing(candidate, ratio, True, "same vocabulary")
+
+
+def sibling_draft(target: str | None) -> str | None:
+    """The draft model `auto` takes for `target` (None: the default target) when none is named: for the default
+    target, the default draft whenever its package is installed; else the smallest default model already
+    assembled with the target's vocabulary and at most MAX_USEFUL_RATIO of its weights."""
+    installed = installed_defaults()
+    if target is None:  # the default pair was chosen together
+        return DEFAULT_DRAFT if DEFAULT_DRAFT in installed else None
+    # Only defaults already assembled: auto is the default method, and checking a pairing must not assemble a
+    # gigabyte file from its package before every run of another model (`specdecode models --drafts-for` does).
+    ready = [name for name in installed if name != target and name in DEFAULT_MODELS
+             and status(DEFAULT_MODELS[name]) == "assembled"]
+    if not ready:
+        return None
+    facts = model_facts(target)
+    usable = [p for p in (pair(facts, model_facts(name)) for name in ready)
+              if p.can_draft and p.ratio <= MAX_USEFUL_RATIO]
+    return min(usable, key=lambda p: p.ratio).candidate.name if usable else None

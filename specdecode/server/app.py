@@ -15,13 +15,19 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine import Engine, GenerationEvent
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import GenerationEvent
 from specdecode.errors import SpecDecodeError
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
 from specdecode.server.errors import APIKeyGuard, install_error_handlers
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, publish_request_schemas, \
-    request_body
+from specdecode.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    publish_request_schemas,
+    request_body,
+)
 from specdecode.server.responses import ResponseShape
 from specdecode.server.scheduler import Job, QueueFull, RequestTimeout, Scheduler, ShuttingDown
 
@@ -101,7 +107,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         body = await read_body(request, schema, settings.max_body_bytes)
         job = build_job(engine, settings, body, chat)
         try:
-            scheduler.check_fits(job)
+            scheduler.check_fits(job, exact=False)
         except SpecDecodeError as error:
             raise APIError(400, str(error), param=error.param) from None
         try:
@@ -184,8 +190,8 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         if body.speculative is not None:
             overrides = {k: v for k, v in (("method", body.speculative.method),
                                            ("num_draft_tokens", body.speculative.num_draft_tokens)) if v is not None}
-            spec = replace(spec, **overrides, options=dict(spec.options) | body.speculative.drafter_options())
-            engine.check_spec(spec)
+            spec = engine.check_spec(replace(spec, **overrides,
+                                             options=dict(spec.options) | body.speculative.drafter_options()))
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)
     except SpecDecodeError as error:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specdecode.prefix_cache import PrefixCache
-from specdecode.stats import GenerationStats
+from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.engine.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 36, 2))  # 1 MiB to 16 GiB, by fours

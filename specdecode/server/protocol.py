@@ -12,7 +12,6 @@ from pydantic.json_schema import models_json_schema
 from specdecode.config import MAX_LOGPROBS
 from specdecode.drafters.registry import all_options
 
-
 # Strict types at the HTTP boundary: "stream": "yes" or "max_tokens": "8" is a 400, not a guess. JSON numbers
 # still fill float fields whether written 1 or 1.0; NaN and Infinity are refused.
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)

@@ -6,9 +6,9 @@ import codecs
 import time
 import uuid
 
-from specdecode.logprobs import TokenLogprob
-from specdecode.stats import GenerationStats
-from specdecode.tokenizer import Tokenizer
+from specdecode.acceptance.logprobs import TokenLogprob
+from specdecode.engine.stats import GenerationStats
+from specdecode.models.tokenizer import Tokenizer
 
 # vLLM's floor for a log-probability: -inf (a token the model rules out) is not JSON.
 LOGPROB_FLOOR = -9999.0

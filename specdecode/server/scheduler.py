@@ -3,7 +3,7 @@
 Batched (the default where the target is batch-invariant: w4a8, and bf16 or fp32 on a CPU with the
 fixed-order float layers, see models/batch_invariance.py): each tick is one `Engine.step_many` over all active
 requests, their verify rows in one target forward, so many users share each pass over the weights and the
-draft length shrinks as the batch grows (batch_budget.py). Each request's output stays what it would be
+draft length shrinks as the batch grows (load_budget.py). Each request's output stays what it would be
 alone, bit for bit. Interleaved (`batching="off"`, and the default for other targets, e.g. on a GPU, whose
 matmuls round differently with more rows): one request's step at a time, as separate forwards.
 
@@ -11,8 +11,12 @@ Every request's KV cache is sized to it (prompt + max_tokens) and counted agains
 (`kv_memory`): a request whose cache would not fit waits in the queue until enough ends, never fails for it.
 
 While requests decode, an arriving prompt is read `prefill_chunk` tokens at a time, one chunk between two
-batched steps (prefill.py), so the batch waits for a chunk, not for a whole prompt; with no request decoding
-the prompt is read whole, since no one waits.
+batched steps (engine/prefill.py), so the batch waits for a chunk, not for a whole prompt; with no request
+decoding the prompt is read whole, since no one waits.
+
+The worker drives each request through the engine's one way in: begin -> prefill (a chunk per call) -> step_many
+-> finish, and hands each event to its job. The HTTP side only checks requests (Engine.check_spec builds
+nothing) and reads events.
 """
 
 from __future__ import annotations
@@ -24,11 +28,10 @@ import time
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine import Engine
-from specdecode.models.batch_invariance import batch_invariant
-from specdecode.prefill import Prefill
-from specdecode.request_stream import RequestStream
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import GenerationEvent, Request
 from specdecode.errors import SpecDecodeError
+from specdecode.models.batch_invariance import batch_invariant
 
 
 class QueueFull(Exception):
@@ -45,7 +48,7 @@ class ShuttingDown(Exception):
 
 @dataclass(eq=False)  # identity equality: two requests with the same fields are still two requests
 class Job:
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # checked by Engine.encode on the HTTP side
     sampling: SamplingParams
     spec: SpecConfig
     deadline: float  # time.monotonic() after which the job is ended with an error
@@ -86,9 +89,8 @@ class Scheduler:
         self.admitted = 0
         self.pending: queue.Queue[Job] = queue.Queue()
         self.waiting: Job | None = None  # taken from the queue, waiting for KV memory to free up
-        self.active: list[tuple[Job, RequestStream]] = []
-        self.starting: list[tuple[Job, Prefill, float]] = []  # prompts being read, first first; perf_counter() at
-        # admission
+        self.active: list[tuple[Job, Request]] = []
+        self.starting: list[tuple[Job, Request]] = []  # prompts being read, first first
         self.draining = False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
@@ -110,10 +112,14 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         return len(self.active) + len(self.starting), self.pending.qsize() + (self.waiting is not None)
 
-    def check_fits(self, job: Job) -> int:
-        """The bytes of the job's KV cache; a SpecDecodeError if they exceed the whole budget (the server answers
-        400 before queueing it)."""
-        need = self.engine.request_cache_bytes(len(job.prompt_ids), job.sampling, job.spec)
+    def check_fits(self, job: Job, exact: bool = True) -> int:
+        """The bytes of the job's KV cache; a SpecDecodeError if they exceed the whole budget. The HTTP side asks
+        with `exact=False` (a lower bound that builds no drafter: it answers 400 before queueing); the worker,
+        which owns the models, asks for the exact size."""
+        if exact:
+            need = self.engine.request_cache_bytes(len(job.prompt_ids), job.sampling, job.spec)
+        else:
+            need = self.engine.least_cache_bytes(len(job.prompt_ids), job.sampling)
         if self.kv_memory is not None and need > self.kv_memory:
             raise SpecDecodeError(f"this request's KV cache needs {need / 2**20:.1f} MiB, more than the server's "
                                   f"whole budget of {self.kv_memory / 2**20:.1f} MiB (--kv-memory); ask for fewer "
@@ -123,8 +129,8 @@ class Scheduler:
     @property
     def kv_bytes(self) -> int:
         """Memory the active and starting requests' target KV caches hold."""
-        decoding = sum(stream.seq.cache.nbytes for _, stream in list(self.active))  # copies: the worker edits them
-        return decoding + sum(prefill.seq.cache.nbytes for _, prefill, _ in list(self.starting))
+        requests = [request for _, request in list(self.active) + list(self.starting)]  # copies: the worker edits
+        return sum(request.cache.nbytes for request in requests)
 
     def shutdown(self, grace_seconds: float) -> None:
         """Stop taking requests, let in-flight ones finish within the grace period, then end the rest cleanly."""
@@ -147,9 +153,9 @@ class Scheduler:
             groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
             for group in groups:
                 self._step(group)
-        for job, stream in list(self.active):  # a copy: _end removes each
-            self._end(job, stream, SpecDecodeError("the server shut down before this request finished"))
-        queued = [job for job, _, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
+        for job, request in list(self.active):  # a copy: _end removes each
+            self._end(job, request, SpecDecodeError("the server shut down before this request finished"))
+        queued = [job for job, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
         while not self.pending.empty():
             queued.append(self.pending.get_nowait())
         for job in queued:  # still queued when the grace ran out: answer them too, or they hang
@@ -161,10 +167,10 @@ class Scheduler:
         with self.lock:
             self.admitted -= 1
 
-    def _end(self, job: Job, stream: RequestStream, item=None) -> None:
+    def _end(self, job: Job, request: Request, item=None) -> None:
         """Take a request out of the active set, free its caches, and send `item` (an error) if any."""
-        self.engine.finish(stream.seq)
-        self.active.remove((job, stream))
+        self.engine.finish(request)
+        self.active.remove((job, request))
         if item is not None:
             job.send(item)
         self._release()
@@ -198,44 +204,41 @@ class Scheduler:
                 if self.kv_memory is not None and busy and self.kv_bytes + need > self.kv_memory:
                     self.waiting = job  # first in line when enough memory frees up
                     return
-                began = time.perf_counter()
-                prefill = self.engine.begin(self.engine.encode(job.prompt_ids), job.sampling, job.spec,
-                                            self.prefill_chunk, job.reuse_prefix)
+                request = self.engine.begin(job.prompt_ids, job.sampling, job.spec, self.prefill_chunk,
+                                            job.reuse_prefix)
             except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
                 job.send(error)
                 self._release()
                 continue
-            self.starting.append((job, prefill, began))
+            self.starting.append((job, request))
 
     def _read_prompt(self) -> None:
         """The next chunk of the first starting request's prompt, or all of it when no request is decoding; a
         request whose prompt is read joins the active ones."""
         if not self.starting:
             return
-        job, prefill, began = self.starting[0]
+        job, request = self.starting[0]
         try:
-            if self.active:
-                done = prefill.advance()
-            else:
-                done = bool(prefill.run())
+            first = self.engine.prefill(request)
+            while first is None and not self.active:  # no one waits: the rest of the prompt now
+                first = self.engine.prefill(request)
         except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
             self.starting.pop(0)
             job.send(error)
             self._release()
             return
-        if done:
+        if first is not None:
             self.starting.pop(0)
-            stream = self.engine.stream(prefill.seq, began)
-            self.active.append((job, stream))
-            self._send(job, stream, stream.first_event())
+            self.active.append((job, request))
+            self._send(job, request, first)
 
     def _drop_ended(self) -> None:
         """Requests whose client went away or whose time ran out leave before the next step."""
-        for job, stream in list(self.active):
+        for job, request in list(self.active):
             if job.cancelled.is_set():
-                self._end(job, stream)
+                self._end(job, request)
             elif time.monotonic() > job.deadline:
-                self._end(job, stream, RequestTimeout("request timed out"))
+                self._end(job, request, RequestTimeout("request timed out"))
         for entry in list(self.starting):  # a prompt being read: its drafter has not started, nothing to finish
             job = entry[0]
             if job.cancelled.is_set() or time.monotonic() > job.deadline:
@@ -244,18 +247,18 @@ class Scheduler:
                     job.send(RequestTimeout("request timed out"))
                 self._release()
 
-    def _step(self, group: list[tuple[Job, RequestStream]]) -> None:
+    def _step(self, group: list[tuple[Job, Request]]) -> None:
         """One step of every request in `group`, in one batch: the unit of fairness between streams."""
         try:
-            committed = self.engine.step_many([stream.seq for _, stream in group])
+            events = self.engine.step_many([request for _, request in group])
         except Exception as error:  # noqa: BLE001 - end this batch's requests with the error; the server lives on
-            for job, stream in group:
-                self._end(job, stream, error)
+            for job, request in group:
+                self._end(job, request, error)
             return
-        for (job, stream), tokens in zip(group, committed):
-            self._send(job, stream, stream.event(tokens))
+        for (job, request), event in zip(group, events):
+            self._send(job, request, event)
 
-    def _send(self, job: Job, stream: RequestStream, event) -> None:
+    def _send(self, job: Job, request: Request, event: GenerationEvent) -> None:
         job.send(event)
         if event.finish_reason is not None:
-            self._end(job, stream)
+            self._end(job, request)

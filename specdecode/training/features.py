@@ -87,7 +87,7 @@ def extract(target: LoadedModel, layer_ids: tuple[int, ...], texts: Iterable[Tra
     A shard is named by its text's ordinal in its split, so a rerun skips what an earlier run wrote (texts come
     in a fixed order). -> tokens per split."""
     from specdecode.config import SpecConfig
-    from specdecode.engine import Engine
+    from specdecode.engine.engine import Engine
 
     engine = Engine(target, spec=SpecConfig("ngram"))  # answers: lossless, and faster than plain on code
     done = {split: sum(int(load_file(str(p))["tokens"].numel()) for p in shard_files(folder, split))

@@ -1,6 +1,6 @@
 """The one training loop for every drafter kind: epochs of the training-time test (ttt.py) over features on disk
 (features.py), held-out acceptance as it goes, resumable checkpoints, a learning curve; a kind supplies what it
-trains and how it writes the result (`Trainee`: training/eagle3_train.py, training/mtp_train.py)."""
+trains and how it writes the result (`Trainee`: training/eagle3.py, training/mtp.py)."""
 
 from __future__ import annotations
 

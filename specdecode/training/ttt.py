@@ -1,6 +1,6 @@
 """The training-time test: a drafter unrolled over its own outputs, every position at once, for every drafter
 kind that drafts step by step from hidden states (EAGLE-3 heads, MTP modules); each kind adapts its layer to
-`UnrollLayer` (training/eagle3_train.py, training/mtp_train.py).
+`UnrollLayer` (training/eagle3.py, training/mtp.py).
 
 Rows j = 0..N-1 of a sequence stand for positions j (N = T-1: the last token has no next token to pair with).
 Step 0 reads the target's features of row j with the embedding of token j+1, as inference reads committed
@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.rope import RopeTable, apply_rope
-from specdecode.models.transformer import Attention
+from specdecode.models.decoder.layers import Attention
+from specdecode.models.decoder.rope import RopeTable, apply_rope
 
 STEP_WEIGHT = 0.8  # step k's loss weighs 0.8^k, as the reference
 

@@ -1,4 +1,4 @@
-// Runs the w4a8 kernel core (specdecode/models/quant/w4a8_core.cpp) and the fused layer's row operations
+// Runs the w4a8 kernel core (specdecode/models/kernels/w4a8_core.cpp) and the fused layer's row operations
 // (row_ops.h) without torch, so that tests/test_kernel_driver.py can build it for every instruction set, an ARM
 // one under qemu-user included, and compare the bits each variant gives on the same inputs.
 //

@@ -1,5 +1,6 @@
 """What every drafter folder with weights of its own shares (EAGLE-3 heads, DFlash drafters): a config.json
-read with one clear error, stored tensors checked against the module before they load, and both written whole."""
+read with one clear error, stored tensors checked against the module before they load, and both written whole;
+and where `specdecode train` puts a trained drafter for a target by default (where `auto` looks for one)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.default_models import DEFAULT_TARGET, cache_dir
 
 
 def read_drafter_config(folder: Path, what: str) -> dict:
@@ -54,3 +56,20 @@ def write_drafter_folder(folder: Path, tensors: dict[str, torch.Tensor], hf: dic
     except OSError as error:
         raise SpecDecodeError(f"cannot write {what} to {folder} ({error})") from None
     return folder
+
+
+def model_label(target: str) -> str:
+    """A target's short name: a default name as is, a .gguf file's stem, a folder's name."""
+    path = Path(target)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def trained_folder(kind: str, target: str | None) -> Path:
+    """Where `specdecode train KIND` writes its result for `target` (None: the default target) by default, and
+    where `auto` looks for a trained drafter of that kind; `kind` "features" is the target's features."""
+    return cache_dir() / kind / model_label(target or DEFAULT_TARGET)
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether `folder` holds a drafter's config and weights (a finished training run's output)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))

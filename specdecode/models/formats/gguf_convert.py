@@ -19,7 +19,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.model_config import ModelConfig, unsupported_message
-from specdecode.tokenizer import END_OF_TURN_TOKENS
+from specdecode.models.tokenizer import END_OF_TURN_TOKENS
 
 # GGUF calls Mistral "llama"; both share one decoder here.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -45,7 +45,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's multi-token-prediction ("nextn") tensors: gguf-py's names for DeepSeek's, in the last
-# `{arch}.nextn_predict_layers` blocks, whose other tensors are an ordinary decoder layer (models/mtp.py).
+# `{arch}.nextn_predict_layers` blocks, whose other tensors are an ordinary decoder layer (decoder/mtp.py).
 _NEXTN_NAMES = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm",
                 "shared_head_head": "shared_head.head", "embed_tokens": "embed_tokens"}
 _NEXTN_PATTERN = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.weight")

@@ -72,9 +72,9 @@ def load_companion(path: Path, target_config: ModelConfig, dtype: torch.dtype, d
                    quant: str) -> tuple[nn.ModuleList, str]:
     """The companion's MTP modules, checked against the target's config, in its dtype and device, their linear
     layers in `quant` (--draft-quant) -> (modules, one line saying what was loaded)."""
+    from specdecode.models.decoder.mtp import MTPModule
     from specdecode.models.formats.weight_source import MTP_SHARED_COPIES, GGUFWeights, expected_shapes, mtp_sources
-    from specdecode.models.mtp import MTPModule
-    from specdecode.models.quant.quantize_module import quantize_linears
+    from specdecode.models.kernels.quantize_module import quantize_linears
 
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise SpecDecodeError(f"{path}: MTP layers of their own come as a GGUF file (llama.cpp's mtp-NAME.gguf); "

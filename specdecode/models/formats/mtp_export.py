@@ -28,7 +28,6 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gguf_convert import open_gguf
 from specdecode.models.formats.weight_source import expected_shapes, mtp_prefix, parameter_sources
-from specdecode.models.loader import LoadedModel, float_folder, resolve_source
 from specdecode.models.model_config import ModelConfig
 
 MTP_FILE = "model-mtp.safetensors"
@@ -65,11 +64,13 @@ def mtp_tensors(modules: nn.ModuleList, config: ModelConfig, dtype: torch.dtype)
     return published
 
 
-def write_model_with_mtp(target: LoadedModel, modules: nn.ModuleList, out: Path, quiet: bool = True) -> Path:
-    """Write the target with `modules` into `out` (see the module docstring) -> `out`."""
+def write_model_with_mtp(trunk: ModelConfig, dtype: torch.dtype, source: Path, origin: Path,
+                         modules: nn.ModuleList, out: Path, quiet: bool = True) -> Path:
+    """Write the target with `modules` into `out` (see the module docstring) -> `out`. `trunk`: the target's
+    config; `source`: the folder of its float weights; `origin`: the file or folder it was loaded from (a GGUF
+    origin is written again with the layers added, and as a companion file)."""
     count = len(modules)
-    config = replace(target.config, mtp_layers=count, mtp_declared=count, mtp_layout=mtp_layout(target.config))
-    source = float_folder(target.name, target.model.dtype, quiet)
+    config = replace(trunk, mtp_layers=count, mtp_declared=count, mtp_layout=mtp_layout(trunk))
     try:
         out.mkdir(parents=True, exist_ok=True)
         for file in sorted(source.iterdir()):
@@ -78,10 +79,9 @@ def write_model_with_mtp(target: LoadedModel, modules: nn.ModuleList, out: Path,
         hf = json.loads((source / "config.json").read_text()) | {"num_nextn_predict_layers": count}
         if config.mtp_layout == "mimo":
             hf |= {"model_type": "mimo", "architectures": ["MiMoForCausalLM"]}
-        tensors = mtp_tensors(modules, config, target.model.dtype)
+        tensors = mtp_tensors(modules, config, dtype)
         _write(out / MTP_FILE, lambda partial: save_file(tensors, str(partial), metadata={"format": "pt"}))
         _write(out / "config.json", lambda partial: partial.write_text(json.dumps(hf, indent=1)))
-        origin = resolve_source(target.name, quiet=True)
         if origin.is_file():
             gguf_tensors = mtp_tensors(modules, replace(config, mtp_layout="deepseek"), torch.float32)
             _write(out / f"{origin.stem}-mtp.gguf", lambda partial: write_gguf_with_mtp(origin, partial, config,

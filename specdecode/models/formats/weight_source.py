@@ -16,8 +16,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats.gguf_convert import config_from_gguf, dequantize_tensor, field_value, hf_name, open_gguf, \
-    permuted_heads, unpermute_llama_qk
+from specdecode.models.formats.gguf_convert import (
+    config_from_gguf,
+    dequantize_tensor,
+    field_value,
+    hf_name,
+    open_gguf,
+    permuted_heads,
+    unpermute_llama_qk,
+)
 from specdecode.models.formats.gguf_int4 import q4_k_groups
 from specdecode.models.model_config import ModelConfig
 
@@ -60,7 +67,7 @@ def _block_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[st
     return sources
 
 
-# Our MTP module parts (models/mtp.py) -> their names in each layout, after the layout's prefix.
+# Our MTP module parts (decoder/mtp.py) -> their names in each layout, after the layout's prefix.
 MTP_NAMES = {
     "deepseek": {"token_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "out_norm": "shared_head.norm"},
     "mimo": {"token_norm": "token_layernorm", "hidden_norm": "hidden_layernorm", "proj": "input_proj",

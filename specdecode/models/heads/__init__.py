@@ -1,0 +1,1 @@
+"""Drafter networks that run beside a target: MTP modules, EAGLE-3 heads, DFlash and DSpark blocks."""
