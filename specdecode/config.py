@@ -12,6 +12,7 @@ from typing import Any
 from specdecode.errors import SpecDecodeError
 
 MAX_DRAFT_TOKENS = 64
+VERIFICATION_RULES = ("block", "token")  # how a sampled chain is verified: jointly (block_verify.py) or token-wise
 COMBINE_RULES = ("first", "best")  # how a combination of methods picks each step's proposal
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's cap
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
@@ -84,7 +85,9 @@ class SpecConfig:
     pauses drafting while it measures slower than plain decoding (engine/speed_guard.py). `combine` is how a
     combination picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the
     most expected tokens per second, drafters/step_choice.py). `relaxed` opts into lossy acceptance
-    (acceptance/relaxed.py).
+    (acceptance/relaxed.py). `verification` is how a sampled chain is verified: "block" (jointly, Sun et al.
+    2025, acceptance/block_verify.py) or "token" (token by token); both are lossless, and greedy decoding and trees
+    are verified the same either way.
 
         SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
     """
@@ -96,10 +99,12 @@ class SpecConfig:
     guard: bool
     combine: str
     relaxed: str | None  # opt-in lossy acceptance, "RULE:VALUE" (relaxed.py); None = exact, lossless
+    verification: str  # one of VERIFICATION_RULES
 
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), guard: bool = True,
-                 combine: str = "first", relaxed: str | None = None, **named_options: Any):
+                 combine: str = "first", relaxed: str | None = None, verification: str = "block",
+                 **named_options: Any):
         if (not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool)
                 or not isinstance(guard, bool)):
             raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int), adaptive and "
@@ -114,6 +119,9 @@ class SpecConfig:
         if relaxed is not None and not isinstance(relaxed, str):
             raise SpecDecodeError(f"relaxed must be a string such as 'typical' or 'threshold:0.3', got {relaxed!r}")
         object.__setattr__(self, "relaxed", relaxed)
+        object.__setattr__(self, "verification", verification)
+        if verification not in VERIFICATION_RULES:
+            raise SpecDecodeError(f"verification must be one of {', '.join(VERIFICATION_RULES)}, got {verification!r}")
         if combine not in COMBINE_RULES:
             raise SpecDecodeError(f"combine must be one of {', '.join(COMBINE_RULES)}, got {combine!r}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:

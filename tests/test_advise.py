@@ -27,7 +27,7 @@ def test_every_candidate_is_ranked_fastest_first_with_a_runnable_command(models,
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     ranking = report["ranking"]
-    assert {r["method"] for r in ranking} == {"none", "ngram", "suffix", "ngram:ngram_branches=3", "draft",
+    assert {r["method"] for r in ranking} == {"none", "ngram", "suffix", "recycle", "ngram:ngram_branches=3", "draft",
                                               "ngram+draft", "suffix+draft", "draft:k=5"}
     speeds = [r["tokens_per_second"] for r in ranking]
     assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)

@@ -15,6 +15,7 @@ from specdecode.cli.main import main
 from specdecode.spec_types import VerifyResult
 
 verify_module = importlib.import_module("specdecode.acceptance.verify")  # the package exports a function of that name
+block_module = importlib.import_module("specdecode.acceptance.block_verify")
 PROMPTS = ["hello hello hello", "abcabcabc abcabc", "The quick brown fox"]  # the tiny model's drafts miss on some
 
 
@@ -27,11 +28,11 @@ def models(tmp_path_factory):
     return str(target), str(draft)
 
 
-def run_check(models, capsys, method: str, trials: int) -> tuple[int, dict]:
+def run_check(models, capsys, method: str, trials: int, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
     target, draft = models
     code = main(["check", *PROMPTS, "--model", target, "--draft-model", draft, "--draft-quant", "none",
                  "--dtype", "float32", "--spec-type", method, "--max-tokens", "32", "--trials", str(trials),
-                 "--temperature", "1.0", "--top-k", "3", "--json"])
+                 "--temperature", "1.0", "--top-k", "3", "--json", *extra])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -59,9 +60,13 @@ def test_a_greedy_rule_that_accepts_every_draft_is_caught(models, capsys, monkey
     assert any(case["first_difference"] is not None for case in report["greedy"])
 
 
-def test_a_sampling_rule_that_accepts_every_draft_is_caught(models, capsys, monkeypatch):
-    monkeypatch.setattr(verify_module, "_drawn_siblings", lambda siblings, *rest: (siblings[0], None))
-    code, report = run_check(models, capsys, "draft", trials=300)
+@pytest.mark.parametrize("rule", ["block", "token"])
+def test_a_sampling_rule_that_accepts_every_draft_is_caught(models, capsys, monkeypatch, rule):
+    if rule == "token":
+        monkeypatch.setattr(verify_module, "_drawn_siblings", lambda siblings, *rest: (siblings[0], None))
+    else:  # the whole block kept, the bonus drawn from the last row
+        monkeypatch.setattr(block_module, "block_decision", lambda proposal, p, eta: (proposal.size, p[proposal.size]))
+    code, report = run_check(models, capsys, "draft", trials=300, extra=("--verification", rule))
     assert code == 1
     assert all(case["first_difference"] is None for case in report["greedy"])  # greedy rule left alone
     assert report["sampling"]["drafted"] >= 300 and not report["sampling"]["passed"]

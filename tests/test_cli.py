@@ -35,7 +35,7 @@ def test_json_output_has_text_ids_and_stats(models, capsys):
     for key in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
                 "accepted_per_position", "target_forwards", "tokens_per_second"):
         assert key in stats
-    assert stats["method"] == "suffix,draft"  # auto, the default: the draft model given, after suffix
+    assert stats["method"] == "suffix,recycle,draft"  # auto, the default: the draft model given, after the lookups
     assert 0 <= stats["accepted_tokens"] <= stats["drafted_tokens"]
 
 
@@ -53,8 +53,8 @@ def test_json_compare_plain_reports_identity(models, capsys):
     code, out, _ = run(capsys, "generate", "abcabc", "--model", target, "--max-tokens", "10", "--ignore-eos",
                        "--dtype", "float32", "--json", "--compare-plain")
     report = json.loads(out)
-    # auto, the default, finds no drafter for a tiny model of its own vocabulary: suffix alone
-    assert code == 0 and report["stats"]["method"] == "suffix" and report["plain"]["identical"] is True
+    # auto, the default, finds no drafter for a tiny model of its own vocabulary: the free ones alone
+    assert code == 0 and report["stats"]["method"] == "suffix,recycle" and report["plain"]["identical"] is True
     memory = report["memory"]  # peaks are monotone by phase; the weights and caches are the model's own
     peaks = memory["peak_rss_bytes"]
     assert 0 < memory["rss_before_load_bytes"] <= peaks["load"] <= peaks["generate"] <= peaks["compare_plain"]
@@ -150,6 +150,22 @@ def test_parser_and_early_checks_answer_in_one_line(models, capsys, monkeypatch,
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
     code, _, err = run(capsys, *argv, *(["--model", models[0]] if len(argv) > 1 else []))
     assert_one_error_line(code, err, message)
+
+
+def test_an_empty_prompt_is_refused_from_stdin_and_the_command_line_alike(models, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # what `specdecode generate - < /dev/null` reads
+    code, _, err = run(capsys, "generate", "-", "--model", models[0], "--dtype", "float32")
+    assert_one_error_line(code, err, "the prompt is empty (nothing on standard input)")
+    code, _, err = run(capsys, "generate", "", "--model", models[0], "--dtype", "float32")
+    assert_one_error_line(code, err, "the prompt is empty")
+
+
+def test_an_option_of_a_method_not_run_is_refused(models, capsys):
+    code, _, err = run(capsys, "generate", "hi", "--model", models[0], "--spec-type", "ngram",
+                       "--draft-tree-nodes", "8")
+    assert_one_error_line(code, err, "option draft_tree_nodes belongs to method 'draft', which 'ngram' does not run")
 
 
 def test_invalid_utf8_on_stdin_is_one_line(models, capsys, monkeypatch):

@@ -187,15 +187,21 @@ def test_inference_mode_does_not_leak_between_events(engine):
 
 
 def test_drafters_are_created_once_and_their_number_is_bounded(pair, monkeypatch):
+    """Past the bound the least recently used configuration goes, never the default: no client's new options can
+    lock the others out."""
     import specdecode.engine.engine
 
-    engine = Engine(*pair)
+    engine = Engine(*pair, spec=SpecConfig("ngram"))
+    default = engine.drafter(engine.spec)
     assert engine.drafter(SpecConfig("ngram,draft")).members[1] is engine.drafter(SpecConfig("draft"))
-    monkeypatch.setattr(specdecode.engine.engine, "MAX_DRAFTER_CONFIGS", 4)  # "none", "ngram,draft", "draft" so far
+    monkeypatch.setattr(specdecode.engine.engine, "MAX_DRAFTER_CONFIGS", 4)  # "ngram", "ngram,draft", "draft" so far
     engine.drafter(SpecConfig("ngram", ngram_max=2))
-    engine.drafter(SpecConfig("draft"))  # known: no new drafter
-    with pytest.raises(SpecDecodeError, match="already serves 4 distinct speculative configurations"):
-        engine.drafter(SpecConfig("ngram", ngram_max=3))
+    combined = engine.drafter(SpecConfig("ngram,draft"))  # known: no new drafter, and now the most recent
+    for depth in range(1, 20):  # one client's stream of new configurations
+        engine.drafter(SpecConfig("suffix", suffix_max_depth=depth))
+    assert len(engine._drafters) == 4 and engine.drafter(engine.spec) is default
+    assert engine.drafter(SpecConfig("ngram,draft")) is not combined  # evicted on the way, built again
+    assert len(engine._members) <= 5  # members no kept configuration uses went with them
     engine.check_spec(SpecConfig("ngram", ngram_max=4))  # a check builds nothing, so it never hits the bound
 
 

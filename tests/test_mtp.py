@@ -126,7 +126,8 @@ def test_inspect_says_what_a_model_brings(base, tmp_path, capsys):
     write_gguf(tmp_path / "m.gguf", gguf_folder, "qwen2", quantized=False)
     assert main(["inspect", str(tmp_path / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mtp"]["naming"] == "gguf nextn"
-    assert Engine(load_model(folder, dtype="float32")).check_spec(SpecConfig("auto")).method.split(",")[:2] == ["suffix", "mtp"]
+    members = Engine(load_model(folder, dtype="float32")).check_spec(SpecConfig("auto")).method
+    assert members.split(",")[:3] == ["suffix", "recycle", "mtp"]
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_auto_and_advise_use_the_layers_a_target_ships(base, tmp_path, capsys):
             "float32", "--quant", "none", "--spec-type", "auto", "--compare-plain"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "auto: suffix,mtp with per-step choice" in err and "identical output: True" in err
+    assert "auto: suffix,recycle,mtp with per-step choice" in err and "identical output: True" in err
 
 
 @pytest.fixture(scope="module")

@@ -145,4 +145,5 @@ def test_inspect_and_auto_see_the_companion(split, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["mtp"]["companion"] == str(split[0] / "split" / "mtp-model.gguf")
     assert report["methods"][0]["usable"]
-    assert Engine(load_model(trunk_file, dtype="float32", quant="none")).check_spec(SpecConfig("auto")).method.split(",")[:2] == ["suffix", "mtp"]
+    members = Engine(load_model(trunk_file, dtype="float32", quant="none")).check_spec(SpecConfig("auto")).method
+    assert members.split(",")[:3] == ["suffix", "recycle", "mtp"]

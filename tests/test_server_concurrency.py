@@ -142,7 +142,12 @@ def test_client_disconnect_ends_the_generation_and_frees_the_slot(served):
         while b"data: " not in received:
             received += conn.recv(4096)
         assert received.startswith(b"HTTP/1.1 200") and served.health()["active"] == 1
+        left = served.metric("specdecode_requests_total", endpoint="/v1/completions", status="499")
     wait_until_idle(served, seconds=1.5)
+    deadline = time.monotonic() + 5  # the stream's generator is closed a moment after the connection
+    while served.metric("specdecode_requests_total", endpoint="/v1/completions", status="499") != left + 1:
+        assert time.monotonic() < deadline, "an abandoned stream was not counted"
+        time.sleep(0.02)
     status, body = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
@@ -233,3 +238,23 @@ def test_new_speculative_configs_from_many_threads_are_built_only_by_the_worker(
     assert [status for status, _ in answers] == [200] * len(overrides)
     assert len({answer["choices"][0]["text"] for _, answer in answers}) == 1
     assert built_on and set(built_on) == {"specdecode-worker"}
+
+
+def test_an_idle_server_holds_no_ended_request(engine, monkeypatch):
+    """Every request's caches are released when it ends, whatever the worker did last: an idle server returns to
+    its starting footprint (weak references to every request begun are dead once it is idle)."""
+    import gc
+    import weakref
+
+    begun = []
+    begin = engine.begin
+    monkeypatch.setattr(engine, "begin", lambda *args, **kwargs: begun.append(weakref.ref(r := begin(*args, **kwargs)))
+                        or r)
+    with running(create_app(engine, SETTINGS)) as server:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(lambda p: server.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 6,
+                                                                    "temperature": 0}), PROMPTS))
+        wait_until_idle(server)
+        time.sleep(0.2)  # the worker's idle loop turns over
+        gc.collect()
+        assert len(begun) == len(PROMPTS) and all(ref() is None for ref in begun)

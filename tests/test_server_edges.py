@@ -38,7 +38,7 @@ BAD_BODIES = [  # (path, raw body, param or None, a word of the message)
     ("/v1/chat/completions", b'{"messages": ' + deep(5_000).encode() + b"}", None, "recursion"),
     ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', "stream", "boolean"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "8"}', "max_tokens", "integer"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 8.0}', "max_tokens", "integer"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 8.5}', "max_tokens", "integer"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature", "finite"),
     ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', "top_p", "finite"),
     ("/v1/completions", b'{"prompt": "hi", "seed": -1}', "seed", "greater than or equal to 0"),
@@ -161,3 +161,20 @@ def test_completion_logprobs_streamed_and_not_in_openai_shape(served, engine):
                     for v in c["choices"][0]["logprobs"][key]] for key in logprobs}
     assert merged == logprobs
     assert stream_text([json.dumps(c) for c in chunks] + ["[DONE]"])[0] == full["choices"][0]["text"]
+
+
+def test_the_published_schema_says_what_the_server_serves(served):
+    """Integral numbers are integers (JSON Schema's rule), token ids and max_tokens are bounded by the model, every
+    error status is documented with OpenAI's body, and /metrics is text."""
+    status, answer = served.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3.0})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    schema = json.loads(served.request("GET", "/openapi.json")[2])
+    completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    ids = next(option for option in completion["prompt"]["anyOf"] if option.get("type") == "array")
+    assert ids["items"]["exclusiveMaximum"] == 272 and ids["items"]["minimum"] == 0
+    assert {"enum": [MODEL, None]}.items() <= completion["model"].items()
+    assert schema["components"]["schemas"]["ContentPart"]["properties"]["type"]["const"] == "text"
+    responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "408", "413", "429", "500", "503"} <= responses.keys()
+    assert responses["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]

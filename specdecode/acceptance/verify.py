@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.acceptance.block_verify import block_walk
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.acceptance.tree import children_of
@@ -34,13 +35,15 @@ from specdecode.spec_types import DraftProposal, VerifyResult
 
 
 def verify(proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None, relaxed: Relaxed | None = None) -> VerifyResult:
+           generator: torch.Generator | None, relaxed: Relaxed | None = None, block: bool = False) -> VerifyResult:
     """proposal of N nodes, target_logits [N+1, V] -> the step's VerifyResult.
 
     proposal.probs must be the distributions the nodes were sampled from, via logits_to_probs with these same
     params. A drafter that picks tokens deterministically must pass None, never the softmax of its logits:
     its tokens were not drawn from that q, and rejection sampling against it is biased.
-    `relaxed` (opt-in, lossy, relaxed.py) also keeps the drafts its rule keeps.
+    `relaxed` (opt-in, lossy, relaxed.py) also keeps the drafts its rule keeps. `block`: a sampled chain is judged
+    by block verification (block_verify.py) instead of token by token; trees, greedy decoding and relaxed rules
+    keep their own rule.
     """
     children = children_of(proposal.parent_list())
     if params.greedy:
@@ -48,6 +51,8 @@ def verify(proposal: DraftProposal, target_logits: torch.Tensor, params: Samplin
             relaxed, proposal, torch.softmax(target_logits.float(), dim=-1))  # p [N+1, V] only when asked
         return greedy_walk(proposal, children, target_logits, relaxed_keeps)
     p = logits_to_probs(target_logits, params)  # [N+1, V]
+    if block and relaxed is None and proposal.is_chain and proposal.size > 0:
+        return block_walk(proposal, p, generator)
     return sampling_walk(proposal, children, p, generator, _relaxed_keeps(relaxed, proposal, p))
 
 

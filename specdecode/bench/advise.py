@@ -18,7 +18,7 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, needs_draft_model
 from specdecode.engine.engine import Engine
 
-WITHOUT_DRAFT_MODEL = "ngram,suffix,ngram:ngram_branches=3"
+WITHOUT_DRAFT_MODEL = "ngram,suffix,recycle,ngram:ngram_branches=3"
 WITH_DRAFT_MODEL = WITHOUT_DRAFT_MODEL + ",draft,ngram+draft,suffix+draft,draft:k=5"
 
 

@@ -16,7 +16,7 @@ from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
-from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
+from specdecode.config import COMBINE_RULES, VERIFICATION_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import all_options, resolve_spec
 from specdecode.engine.engine import Engine
 from specdecode.errors import SpecDecodeError
@@ -36,7 +36,7 @@ def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")
         k, options, guard, combine = base.num_draft_tokens, dict(base.options), base.guard, base.combine
-        relaxed, adaptive = base.relaxed, base.adaptive
+        relaxed, adaptive, verification = base.relaxed, base.adaptive, base.verification
         for setting in filter(None, settings.split(";")):
             key, _, value = setting.partition("=")
             if key == "k" and value.isdigit():
@@ -47,16 +47,19 @@ def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
                 adaptive = value == "on"
             elif key == "combine" and value in COMBINE_RULES:
                 combine = value
+            elif key == "verification" and value in VERIFICATION_RULES:
+                verification = value
             elif key == "relaxed" and value:
                 relaxed = None if value == "off" else value
             elif key in known and value:
                 options[key] = _option_value(key, value, type(known[key][1].default))
             else:
+                rules = f"combine={'|'.join(COMBINE_RULES)}, verification={'|'.join(VERIFICATION_RULES)}"
                 raise SpecDecodeError(f"bad method option {setting!r} in {label!r}; use k=N, adaptive=on|off, "
-                                      f"guard=on|off, combine={'|'.join(COMBINE_RULES)}, relaxed=RULE[:VALUE]|off "
+                                      f"guard=on|off, {rules}, relaxed=RULE[:VALUE]|off "
                                       f"or a drafter option ({', '.join(sorted(known))}) as NAME=VALUE")
         spec = resolve_spec(SpecConfig(name.replace("+", ","), k, adaptive, options, guard=guard, combine=combine,
-                                       relaxed=relaxed))
+                                       relaxed=relaxed, verification=verification))
         if label in (s.name for s in specs[1:]):
             raise SpecDecodeError(f"method {label!r} is listed twice in --methods")
         if label != "none":

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         check_text(prompt, "the prompt on standard input")
     else:
         prompt = args.prompt
+    if not prompt:  # with a chat template an empty message still has tokens: refused alike, raw or not
+        raise SpecDecodeError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
     sampling = sampling_from_args(args)
     spec = spec_from_args(args)
     before_load = rss_bytes()

@@ -10,10 +10,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from specdecode.config import COMBINE_RULES, SamplingParams, SpecConfig
+from specdecode.config import COMBINE_RULES, VERIFICATION_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import (
     DRAFTERS,
     all_options,
+    check_options_apply,
     drafter_paths,
     needs_draft_files,
     needs_draft_model,
@@ -66,13 +67,18 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the draft length to recent acceptance (default on)")
     group.add_argument("--combine", choices=COMBINE_RULES, default="first",
-                       help="how a combination such as ngram,draft picks each step's proposal: first (llama.cpp's rule: the "
+                       help="how a combination such as ngram,draft picks each step's proposal: first (llama.cpp's "
+                       "rule: the "
                        "first method with a draft) or best (the most expected tokens per second, from acceptance "
                        "and costs measured as it runs); default first")
     group.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                        help="never slower than plain: shrink, then pause drafting while it measures slower, and "
                        "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded "
                        "run draws)")
+    group.add_argument("--verification", choices=VERIFICATION_RULES, default="block",
+                       help="how a sampled chain of drafts is verified: block (jointly, Sun et al. 2025: never fewer "
+                       "tokens accepted in expectation) or token (token by token, Leviathan et al.); both lossless, "
+                       "greedy decoding and trees the same either way; default block")
     group.add_argument("--relaxed-acceptance", metavar="RULE[:VALUE]",
                        help="opt-in LOSSY acceptance that keeps more drafts, so the output is no longer exactly the "
                        "target's: typical[:EPSILON] (Medusa's typical acceptance, default 0.09) or threshold[:P] "
@@ -169,9 +175,12 @@ def spec_from_args(args: argparse.Namespace, default: str = "auto") -> SpecConfi
     """The method and options given (without --spec-type: `default`; auto for commands that decode with it,
     measured ahead of ngram,draft and within 5% of the best single method: docs/benchmarks, 2026-12-02 auto),
     checked against the registry before any model loads."""
-    return resolve_spec(SpecConfig(args.spec_type or default, args.num_draft_tokens, args.adaptive,
+    spec = resolve_spec(SpecConfig(args.spec_type or default, args.num_draft_tokens, args.adaptive,
                                    drafter_options(args), guard=args.guard, combine=args.combine,
-                                   relaxed=args.relaxed_acceptance))
+                                   relaxed=args.relaxed_acceptance, verification=args.verification))
+    if default != "none" or args.spec_type:  # bench and advise take options for the methods they list instead
+        check_options_apply(spec.methods, drafter_options(args))
+    return spec
 
 
 def build_engine(args: argparse.Namespace, specs: list[SpecConfig], quiet: bool = False,

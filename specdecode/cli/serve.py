@@ -96,7 +96,8 @@ def add_parser(commands) -> None:
                        "may differ at near-ties of its top two logits")
     serve.add_argument("--kv-memory", type=parse_size,
                        help="memory the active requests' KV caches may hold together, e.g. 2G or 512M; a request "
-                       "that would not fit waits in the queue (default: no bound beyond --max-active)")
+                       "that would not fit waits in the queue, one that never could is refused (default: 60%% of the "
+                       "memory available once the models are loaded, less the prefix cache; printed at start)")
     serve.add_argument("--prefix-cache", type=parse_size_or_off, default="512M",
                        help="memory for ended requests' KV caches: a prompt that begins as an earlier one did (a "
                        "chat's next turn, a shared system prompt) reads only what is new; least recently used "
@@ -118,6 +119,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from specdecode.engine.memory import default_kv_budget
     from specdecode.server.app import DrainingServer, ServerSettings, create_app
 
     public_routes = check_serve_args(args)
@@ -136,20 +138,30 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args, [spec], load_draft_anyway=args.allow_draft_override,
                               prefix_cache_bytes=args.prefix_cache)
         spec = engine.spec  # auto as the members it found
+        kv_memory = args.kv_memory if args.kv_memory is not None else default_kv_budget(args.prefix_cache)
         settings = ServerSettings(
             model_name=args.served_model_name or engine.target.name, spec=spec, api_key=args.api_key,
             public_routes=public_routes, default_max_tokens=args.max_tokens, max_active=args.max_active,
             max_queued=args.max_queued, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-            shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=args.kv_memory,
+            shutdown_grace=args.shutdown_grace, batching=args.batching, kv_memory=kv_memory,
             prefill_chunk=args.prefill_chunk)
         port = listening.getsockname()[1]
         lossy = f", LOSSY relaxed acceptance {spec.relaxed}" if spec.relaxed else ""
         print(f"serving {settings.model_name} with {spec.method} (k={spec.num_draft_tokens}{lossy}) on "
               f"http://{args.host}:{port}/v1", file=sys.stderr)
+        print(f"KV cache budget for active requests: {budget_line(kv_memory, args.kv_memory is None)}",
+              file=sys.stderr)
         config = uvicorn.Config(create_app(engine, settings), host=args.host, port=port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
         DrainingServer(config).run(sockets=[listening])
     return 0
+
+
+def budget_line(kv_memory: int | None, derived: bool) -> str:
+    if kv_memory is None:
+        return "no bound (this machine does not say how much memory is available; set --kv-memory)"
+    why = " (60% of the memory available after loading, less the prefix cache; --kv-memory to change)"
+    return f"{kv_memory / 2**30:.2f} GiB" + (why if derived else "")
 
 
 def check_serve_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ class DrafterCaps:
     needs_draft_model: bool = False  # callers must load a draft model for it
     draft_files: bool = False  # it reads its own weights from --draft-head PATH (an EAGLE-3 head), not a model
     drafts: bool = True  # False for plain decoding: no steps to guard or explain (speed_guard.py)
+    reads_verify_rows: bool = False  # wants every row of each verify forward, rejected ones too (`observe`)
 
 
 @dataclass
@@ -154,6 +155,11 @@ class Drafter:
                 proposals[b] = chain
         return proposals
 
+    def observe(self, seq: Sequence, fed: torch.Tensor, target: TargetOutput) -> None:
+        """For a drafter with caps.reads_verify_rows, before `commit`: every row of the step's verify forward, the
+        rejected drafts' included; `fed` [T] the tokens fed (the root, then each proposed node), `target` their
+        rows (logits of each)."""
+
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted
         path (the root, then each accepted node). `result.source` says whose proposal was verified."""
@@ -161,6 +167,10 @@ class Drafter:
     def finish(self, seq: Sequence) -> None:
         """The request ended: drop its state."""
         seq.drafter_state.pop(self.name, None)
+
+    def parts(self) -> list[Drafter]:
+        """The drafters this one is made of: itself, or a combination's members."""
+        return [self]
 
     def max_nodes(self, budget: int) -> int:
         """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""

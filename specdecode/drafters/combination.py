@@ -19,6 +19,8 @@ from specdecode.drafters.step_choice import StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
+    import torch
+
     from specdecode.models.decoder.kv_cache import KVCache
 
 
@@ -38,7 +40,8 @@ class CombinationDrafter(Drafter):
                                 emits_probs=any(c.emits_probs for c in caps),
                                 emits_trees=any(c.emits_trees for c in caps),
                                 needs_draft_model=any(c.needs_draft_model for c in caps),
-                                draft_files=any(c.draft_files for c in caps))
+                                draft_files=any(c.draft_files for c in caps),
+                                reads_verify_rows=any(c.reads_verify_rows for c in caps))
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         """Every member starts, except that per-step choice defers those that can (a draft model's prompt
@@ -168,6 +171,11 @@ class CombinationDrafter(Drafter):
                 proposals[i] = proposal
         return proposals
 
+    def observe(self, seq: Sequence, fed: torch.Tensor, target: TargetOutput) -> None:
+        for member in self.members:
+            if member.caps.reads_verify_rows:
+                member.observe(seq, fed, target)
+
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         if self.chooser is not None:
             proposed = seq.drafter_state.pop(self.name, None)  # None: the engine had no room to ask for drafts
@@ -183,6 +191,9 @@ class CombinationDrafter(Drafter):
         seq.drafter_state.pop(DEFERRED, None)
         for member in self.members:
             member.finish(seq)
+
+    def parts(self) -> list[Drafter]:
+        return list(self.members)
 
     def max_nodes(self, budget: int) -> int:
         return max(member.max_nodes(budget) for member in self.members)

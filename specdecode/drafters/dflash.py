@@ -73,7 +73,7 @@ class DFlashState:
 @register
 class DFlashDrafter(Drafter):
     name = "dflash"
-    auto_rank = 3
+    auto_rank = 4
     weights_kind = "a DFlash drafter"
     caps = DrafterCaps(emits_probs=True, block_size=16, draft_files=True)
     Options = DFlashOptions

@@ -21,6 +21,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.decoder.forward_inputs import forward_groups
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.heads.draft_vocab import frequent_ids, reduced_head, spread_to_vocab
 from specdecode.models.loader import LoadedModel
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -33,6 +34,9 @@ class DraftModelOptions:
                                 "(0 = off)", llama_cpp="--draft-p-min")
     draft_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)")
     draft_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node")
+    draft_vocab: int = option(0, "draft over the N most frequent tokens only (the lowest ids of a byte-level BPE "
+                              "vocabulary) and the end-of-turn tokens, through an output head cut to those rows "
+                              "(0 = the whole vocabulary); the target verifies with its full head")
 
     def check(self) -> None:
         if not 0 <= self.draft_p_min < 1:
@@ -42,27 +46,41 @@ class DraftModelOptions:
                                   f"got {self.draft_tree_nodes}")
         if not 1 <= self.draft_tree_width <= 16:
             raise SpecDecodeError(f"draft_tree_width must be between 1 and 16, got {self.draft_tree_width}")
+        if self.draft_vocab < 0:
+            raise SpecDecodeError(f"draft_vocab must be 0 (the whole vocabulary) or positive, got {self.draft_vocab}")
 
 
 @register
 class DraftModelDrafter(Drafter):
     name = "draft"
-    auto_rank = 5  # about a third of a target step per drafted token: the costliest member
+    auto_rank = 6  # about a third of a target step per drafted token: the costliest member
     caps = DrafterCaps(emits_probs=True, emits_trees=True, needs_draft_model=True)
     Options = DraftModelOptions
     vllm_method = "draft_model"
     tree_options = {"draft_tree_nodes": 8, "draft_tree_width": 3}
 
-    def __init__(self, draft: LoadedModel, target_vocab: int, options: DraftModelOptions):
+    def __init__(self, draft: LoadedModel, target_vocab: int, options: DraftModelOptions,
+                 head: torch.nn.Module | None = None, head_ids: torch.Tensor | None = None):
+        """`head`: the draft's output head cut to the ids `head_ids` [Vd] (draft_vocab), or None for its own."""
         self.draft = draft
         self.target_vocab = target_vocab
         self.options = options
+        self.head, self.head_ids = head, head_ids
 
     @classmethod
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
         cls.check_resources(resources)
         check_vocabularies(resources.target, resources.draft)
-        return cls(resources.draft, resources.target.config.vocab_size, options)
+        vocab = resources.target.config.vocab_size
+        if not options.draft_vocab or options.draft_vocab >= min(vocab, resources.draft.config.vocab_size):
+            return cls(resources.draft, vocab, options)
+        ids = frequent_ids(options.draft_vocab, vocab, resources.target.tokenizer.eos_token_ids)
+        key = f"draft-head:{options.draft_vocab}"
+        if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
+            # In the draft model's own precision: its head is quantized as the rest of it was.
+            resources.own_weights[key] = reduced_head(resources.draft.model, ids, resources.draft.quant)
+        model = resources.draft.model
+        return cls(resources.draft, vocab, options, resources.own_weights[key], ids.to(model.device))
 
     @property
     def tree(self) -> bool:
@@ -151,7 +169,7 @@ class DraftModelDrafter(Drafter):
             step = torch.tensor([[tokens[b][-1]] for b in fed], device=model.device)  # [F, 1]
             positions = torch.tensor([[len(seqs[b].tokens) + i] for b in fed], device=model.device)  # [F, 1]
             cache = caches[fed[0]] if len(fed) == 1 else CacheBatch([caches[b] for b in fed])
-            out = self._to_target_vocab(model(step, positions, cache).logits[:, -1])  # [F, V]
+            out = self._to_target_vocab(model(step, positions, cache, head=self.head).logits[:, -1])  # [F, V]
             for row, b in enumerate(fed):
                 logits[b] = out[row]
             drafting = fed
@@ -179,7 +197,7 @@ class DraftModelDrafter(Drafter):
             inputs = torch.tensor([[tree.tokens[n] for n in expand]], device=model.device)  # [1, W]
             positions = torch.full_like(inputs, len(seq.tokens) - 2 + depth)  # [1, W]: depth d-1 sits at root + d-1
             mask = tree.feed(expand).to(model.device).unsqueeze(0)  # [1, W, fed + W]
-            out = model(inputs, positions, cache, attn_mask=mask).logits[0]  # [W, V_draft]
+            out = model(inputs, positions, cache, attn_mask=mask, head=self.head).logits[0]  # [W, V_draft]
             log_probs = tree_log_probs(self._to_target_vocab(out), seq.sampling)  # [W, V]
             for row, node in enumerate(expand):
                 tree.add_children(node, log_probs[row : row + 1], tree.scores[node])
@@ -212,7 +230,7 @@ class DraftModelDrafter(Drafter):
             last = torch.tensor([[pending[b] - 1] for b in group])  # [G, 1] each sequence's last real row
             cache = caches[group[0]] if len(group) == 1 else CacheBatch([caches[b] for b in group])
             out = model(tokens.to(model.device), positions.to(model.device), cache,
-                        logits_at=last.to(model.device)).logits[:, 0]  # [G, V_draft]
+                        logits_at=last.to(model.device), head=self.head).logits[:, 0]  # [G, V_draft]
             for row, b in enumerate(group):
                 caches[b].truncate(len(seqs[b].tokens))
                 logits[b] = self._to_target_vocab(out[row])
@@ -222,13 +240,16 @@ class DraftModelDrafter(Drafter):
         model, seen = self.draft.model, cache.lengths[0]
         pending = torch.tensor([seq.tokens[seen:upto]], device=model.device)  # [1, P]
         positions = torch.arange(seen, upto, device=model.device).unsqueeze(0)  # [1, P]
-        return model(pending, positions, cache, logits_at=logits_at).logits  # [1, P', V_draft]
+        return model(pending, positions, cache, logits_at=logits_at, head=self.head).logits  # [1, P', V_draft]
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [..., V_draft] -> [..., V_target]: padded embedding rows differ between sizes of one family.
+        """logits [..., V_draft] -> [..., V_target]: padded embedding rows differ between sizes of one family, and
+        a reduced head scores only its ids.
 
-        Ids the target does not have get -inf, so they are never drafted and q stays the law drafts follow.
+        Ids the draft did not score get -inf, so they are never drafted and q stays the law drafts follow.
         """
+        if self.head_ids is not None:
+            return spread_to_vocab(logits, self.head_ids, self.target_vocab)  # [..., V_target]
         size = logits.shape[-1]
         if size >= self.target_vocab:
             return logits[..., : self.target_vocab]

@@ -47,7 +47,7 @@ class DSparkOptions:
 @register
 class DSparkDrafter(DFlashDrafter):
     name = "dspark"
-    auto_rank = 4
+    auto_rank = 5
     weights_kind = "a DSpark drafter"
     caps = DrafterCaps(emits_probs=True, block_size=8, draft_files=True)
     Options = DSparkOptions

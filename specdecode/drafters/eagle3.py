@@ -63,7 +63,7 @@ class Eagle3State:
 @register
 class Eagle3Drafter(Drafter):
     name = "eagle3"
-    auto_rank = 2
+    auto_rank = 3
     weights_kind = "an EAGLE-3 head"
     caps = DrafterCaps(emits_probs=True, emits_trees=True, draft_files=True)
     Options = Eagle3Options

@@ -68,7 +68,7 @@ class MTPState:
 @register
 class MTPDrafter(Drafter):
     name = "mtp"
-    auto_rank = 1  # the model's own layers: what the seed advises first
+    auto_rank = 2  # the model's own layers: the first model drafter, as the seed advises
     caps = DrafterCaps(final_hidden=True, emits_probs=True, draft_files=True)
     Options = MTPOptions
     aliases = ("draft-mtp",)

@@ -7,6 +7,7 @@ so a new drafter's options are declared once, in its own file.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import Field, fields, replace
 from typing import Any
 
@@ -74,6 +75,19 @@ def expand_spec(spec: SpecConfig, resources: DrafterResources) -> SpecConfig:
             names.extend(members)
             combine = "best"
     return replace(spec, method=",".join(dict.fromkeys(names)), combine=combine)
+
+
+def check_options_apply(methods: tuple[str, ...], names: Iterable[str]) -> None:
+    """Each option named (given explicitly, by a user) is one that a drafter of `methods` reads: an option of
+    another method would be silently ignored. A combination that finds its members (`auto`) may take an option
+    of any drafter it may run."""
+    users = {DRAFTERS[m] for m in methods if m in DRAFTERS}
+    users |= {cls for cls in DRAFTERS.values() if cls.auto_rank is not None and any(u.finds_sources for u in users)}
+    known = all_options()
+    for name in names:
+        if name in known and known[name][0] not in users:
+            raise SpecDecodeError(f"option {name} belongs to method '{known[name][0].name}', which "
+                                  f"'{','.join(methods)}' does not run", name)
 
 
 def check_resources(spec: SpecConfig, resources: DrafterResources) -> None:

@@ -11,6 +11,7 @@ The engine knows no method by name: a drafter's needs are data on it (drafters/b
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,8 @@ from specdecode.spec_types import DraftProposal, TargetOutput
 
 Prompt = str | list[dict] | list[int]
 # Distinct speculative configurations one Engine keeps drafters for: a server's clients choose options per
-# request, and each distinct set would otherwise stay in memory for the Engine's life.
+# request, and each distinct set would otherwise stay in memory for the Engine's life. Past this, the least
+# recently used one goes (never the engine's default), so no client can use up the room others need.
 MAX_DRAFTER_CONFIGS = 64
 
 
@@ -86,11 +88,13 @@ class Engine:
             None if draft_path is None else str(draft_path))
         self.resources = DrafterResources(target, draft, self.context_limit, paths, draft_quant)
         self._members: dict[tuple, Drafter] = {}  # each distinct drafter, created once for every request
-        self._drafters: dict[tuple, Drafter] = {}  # spec -> its drafter (a member or a combination of members)
+        # spec key -> its drafter (a member or a combination of members), least recently used first
+        self._drafters: OrderedDict[tuple, Drafter] = OrderedDict()
         self.plain_clock = PlainStepClock()  # a plain step's time on this machine, learnt by every request
         self.load_budget = BatchDraftBudget()  # forward costs by rows and acceptance, for batched steps
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.spec = self.check_spec(spec or SpecConfig())
+        self._default_key = self._key(self.spec)
         self.drafter(self.spec)  # the default's weights load now: a bad folder fails before the first request
 
     def check_spec(self, spec: SpecConfig) -> SpecConfig:
@@ -105,13 +109,25 @@ class Engine:
         """The drafter for `spec` (checked as check_spec does, `auto` expanded), created on first use and kept:
         weights and cross-request caches live once. It may load weights: call it where the models are owned."""
         spec = self.check_spec(spec)
-        key = (spec.method, spec.options, spec.combine)
+        key = self._key(spec)
         if key not in self._drafters:
-            if len(self._drafters) >= MAX_DRAFTER_CONFIGS:
-                raise SpecDecodeError(f"this engine already serves {MAX_DRAFTER_CONFIGS} distinct speculative "
-                                      "configurations; use one of those")
             self._drafters[key] = build_drafter(spec, self.resources, self._members)
+            self._evict_drafters()
+        self._drafters.move_to_end(key)
         return self._drafters[key]
+
+    @staticmethod
+    def _key(spec: SpecConfig) -> tuple:
+        return spec.method, spec.options, spec.combine
+
+    def _evict_drafters(self) -> None:
+        """Past MAX_DRAFTER_CONFIGS, drop the least recently used configurations (never the default) and the
+        members no kept configuration uses. A running request keeps its own reference to its drafter."""
+        while len(self._drafters) > MAX_DRAFTER_CONFIGS:
+            del self._drafters[next(key for key in self._drafters if key != self._default_key)]
+        used = {id(part) for drafter in self._drafters.values() for part in drafter.parts()}
+        for key in [key for key, member in self._members.items() if id(member) not in used]:
+            del self._members[key]
 
     def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Text goes through the chat template when the model has one (unless raw); ids pass through."""
@@ -269,7 +285,8 @@ class Engine:
         device = self.target.model.device
         inputs = [verify_inputs(r.tokens[-1], d.proposal, d.start, device) for r, d in zip(requests, drafts)]
         outputs = verify_forwards(self.target.model, requests, inputs, self.load_budget)
-        committed = [self._commit(request, draft, out) for request, draft, out in zip(requests, drafts, outputs)]
+        committed = [self._commit(request, draft, row_inputs.tokens[0], out)
+                     for request, draft, row_inputs, out in zip(requests, drafts, inputs, outputs)]
         ended = perf_counter()
         for request, draft, tokens in zip(requests, drafts, committed):
             if len(requests) == 1:
@@ -315,10 +332,14 @@ class Engine:
                 drafts[b] = _StepDraft(proposal, budgets[b], start, seconds)
         return drafts
 
-    def _commit(self, request: Request, draft: _StepDraft, out: TargetOutput) -> list[int]:
-        """Verify the request's proposal against its rows of the forward, keep the accepted path, commit."""
+    def _commit(self, request: Request, draft: _StepDraft, fed: torch.Tensor, out: TargetOutput) -> list[int]:
+        """Verify the request's proposal against its rows of the forward (`fed` [T]: the tokens of those rows),
+        keep the accepted path, commit."""
         proposal = draft.proposal
-        result = verify(proposal, out.logits, request.sampling, request.generator, request.relaxation)
+        if request.drafter.caps.reads_verify_rows:
+            request.drafter.observe(request, fed, out)
+        result = verify(proposal, out.logits, request.sampling, request.generator, request.relaxation,
+                        block=request.spec.verification == "block")
         request.cache.keep(draft.start, result.kept_rows)
         request.tokens.extend(result.tokens)
         accepted_path = out.rows(result.kept_rows)

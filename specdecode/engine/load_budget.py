@@ -18,11 +18,12 @@ often shorter than the cap) is not taken for free. This is
 vLLM's `disable_by_batch_size` measured on this machine instead of set by hand, and it never falls below plain
 batching for long: plain batching is one of the choices, scored on the same clock.
 
-Acceptance is learnt from every step that drafted, alone or batched. A new request starts from what its method
-has shown on earlier requests (worth a few positions), not from nothing, and so does its drafting cost (taken
-as free, it would let a batch of new requests draft 4 tokens each where that does not pay: a forward of 20 rows
-costs 4.5x one of 4 on AVX2); and while plain batching wins by a small margin, one step in PROBE_EVERY drafts at the best positive length anyway, so that estimates made under
-other conditions (an early guess, another prompt) get the chance to change the verdict; but no probe catches up.
+Acceptance is learnt from every step that drafted, alone or batched. A new request starts from what its method has
+shown on earlier requests (worth a few positions), not from nothing, and so does its drafting cost (taken as free,
+it would let a batch of new requests draft 4 tokens each where that does not pay: a forward of 20 rows costs 4.5x
+one of 4 on AVX2); and while plain batching wins by a small margin, one step in PROBE_EVERY drafts at the best
+positive length anyway, so that estimates made under other conditions (an early guess, another prompt) get the
+chance to change the verdict; but no probe catches up.
 
 A draft model that has not drafted for a while (a request that started under load, or `auto` deferring it until
 first chosen) must first read every token it missed: a catch-up that cost a batch of 4 requests 5 s in one step

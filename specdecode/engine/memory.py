@@ -27,6 +27,32 @@ def rss_bytes() -> int | None:
     return pages * resource.getpagesize()
 
 
+def available_bytes() -> int | None:
+    """Memory the kernel says new allocations can have without swapping (/proc/meminfo's MemAvailable); None
+    where there is no /proc."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+# The share of the memory available once the models are loaded that active requests' KV caches may hold: the rest
+# is left to the prefix cache, the drafters' own caches and everything else on the machine.
+KV_SHARE = 0.6
+
+
+def default_kv_budget(prefix_cache_bytes: int) -> int | None:
+    """The KV memory a server gives its active requests unless told (--kv-memory): KV_SHARE of what is available
+    now, less the prefix cache's budget; None where the available memory cannot be read."""
+    available = available_bytes()
+    if available is None:
+        return None
+    return max(1, int(available * KV_SHARE) - prefix_cache_bytes)
+
+
 def memory_report(engine: Engine, stats: GenerationStats, before_load: int | None, peaks: dict[str, int]) -> dict:
     """What one request's run holds against what it needs: the weights (target, draft model, drafter heads), its
     caches (the target's KV cache and the drafter's), resident memory before loading (the interpreter and

@@ -1,14 +1,14 @@
 """Never slower than plain decoding: per request, shrink the draft and then pause drafting while speculation
 measures slower than the target alone, and probe again later.
 
-Speculation pays when a step's committed tokens outweigh what drafting and the wider verify forward cost; on a
-CPU with a cheap quantized target a draft model can lose (`draft` at 0.89x of plain on a w4a8 target:
-docs/benchmarks, 2026-12-01 guard). Acceptance alone cannot tell: the break-even point depends on this machine's costs. So the guard
-compares measured rates. A window of steps run with drafts gives speculative tokens per second; steps that
-verified no draft (whatever the reason), less any time a drafter spent proposing nothing, give the plain
-step's time, kept per Engine so that each request starts with it. Below plain, the guard first halves the
-draft length, then pauses drafting for a number of steps that doubles each time a probe fails again. A probe
-drafts one token; each window that beats plain lets the draft grow by one token again.
+Speculation pays when a step's committed tokens outweigh what drafting and the wider verify forward cost; on a CPU
+with a cheap quantized target a draft model can lose (`draft` at 0.89x of plain on a w4a8 target: docs/benchmarks,
+2026-12-01 guard). Acceptance alone cannot tell: the break-even point depends on this machine's costs. So the guard
+compares measured rates. A window of steps run with drafts gives speculative tokens per second; steps that verified
+no draft (whatever the reason), less any time a drafter spent proposing nothing, give the plain step's time, kept
+per Engine so that each request starts with it. Below plain, the guard first halves the draft length, then pauses
+drafting for a number of steps that doubles each time a probe fails again. A probe drafts one token; each window
+that beats plain lets the draft grow by one token again.
 
 Output never depends on the guard with greedy decoding. With sampling, which steps drafted decides which
 random draws make each token (the distribution is unchanged); timing decides the guard, so only with the guard

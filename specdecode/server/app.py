@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.registry import check_options_apply, resolve_spec
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import GenerationEvent
 from specdecode.errors import SpecDecodeError
@@ -22,11 +23,11 @@ from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
 from specdecode.server.errors import APIKeyGuard, install_error_handlers
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import (
+    GENERATION_RESPONSES,
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
     publish_request_schemas,
     request_body,
+    request_models,
 )
 from specdecode.server.responses import ResponseShape
 from specdecode.server.scheduler import Job, QueueFull, RequestTimeout, Scheduler, ShuttingDown
@@ -82,7 +83,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         active, queued = scheduler.load
         return {"status": "draining" if scheduler.draining else "ok", "active": active, "queued": queued}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text exposition format"}})
     async def prometheus() -> Response:
         head = engine.drafter_weights_bytes()
         body = metrics.render(*scheduler.load, weights | ({"drafter": head} if head else {}),
@@ -95,13 +97,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "specdecode"}]}
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
-    async def completions(request: Request):
-        return await serve_generation(request, CompletionRequest, chat=False)
+    completion_request, chat_request = request_models(settings.model_name, engine.target.config.vocab_size,
+                                                      engine.context_limit)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    @app.post("/v1/completions", openapi_extra=request_body(completion_request), responses=GENERATION_RESPONSES)
+    async def completions(request: Request):
+        return await serve_generation(request, completion_request, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(chat_request), responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request):
-        return await serve_generation(request, ChatCompletionRequest, chat=True)
+        return await serve_generation(request, chat_request, chat=True)
 
     async def serve_generation(request: Request, schema, chat: bool):
         body = await read_body(request, schema, settings.max_body_bytes)
@@ -124,7 +129,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return StreamingResponse(stream, media_type="text/event-stream")
         return await collect(job, shape, metrics, request)
 
-    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    publish_request_schemas(app, [completion_request, chat_request])
     return app
 
 
@@ -172,8 +177,6 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
     if body.model and body.model != settings.model_name:
         raise APIError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
                        param="model", code="model_not_found")
-    if body.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
     # The server's default must not turn every request into an error on a small context; an asked-for value may.
     max_tokens = ((body.max_completion_tokens if chat else None) or body.max_tokens
                   or min(settings.default_max_tokens, engine.context_limit))
@@ -188,16 +191,15 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                                   logprobs=body.logprobs_asked())
         spec = settings.spec
         if body.speculative is not None:
-            overrides = {k: v for k, v in (("method", body.speculative.method),
-                                           ("num_draft_tokens", body.speculative.num_draft_tokens)) if v is not None}
-            spec = engine.check_spec(replace(spec, **overrides,
-                                             options=dict(spec.options) | body.speculative.drafter_options()))
+            asked = body.speculative
+            overrides = {k: v for k, v in (("method", asked.method), ("num_draft_tokens", asked.num_draft_tokens),
+                                           ("verification", asked.verification)) if v is not None}
+            spec = engine.check_spec(replace(spec, **overrides, options=dict(spec.options) | asked.drafter_options()))
+            check_options_apply(resolve_spec(replace(settings.spec, **overrides)).methods, asked.drafter_options())
         prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
         prompt_ids = engine.encode(prompt, raw=not chat)
     except SpecDecodeError as error:
         raise APIError(400, str(error), param=error.param) from None
-    except ValueError as error:  # a message's content parts
-        raise APIError(400, str(error), param="messages") from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),
                reuse_prefix=body.cache_prompt is not False)
 
@@ -241,7 +243,7 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
 
 async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, metrics: ServerMetrics,
                         path: str) -> AsyncIterator[str]:
-    first_token_at = None
+    first_token_at, counted = None, False
     try:
         first = True
         while True:
@@ -250,6 +252,7 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
             except APIError as error:
                 # Headers are gone; the error travels in the stream, then the stream ends as usual.
                 metrics.requests.labels(path, str(error.status)).inc()
+                counted = True
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
             first_token_at = first_token_at or time.monotonic()
@@ -263,9 +266,12 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
                 metrics.record_generation(event.stats, first_token_at - job.submitted,
                                           time.monotonic() - job.submitted)
                 metrics.requests.labels(path, "200").inc()
+                counted = True
                 if include_usage:
                     yield f"data: {json.dumps(shape.usage_chunk(event.stats))}\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # client disconnects land here too (the generator is closed)
+        if not counted:  # the client left before the end: 499, nginx's "client closed request", as collect()
+            metrics.requests.labels(path, "499").inc()

@@ -3,10 +3,10 @@ body."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
 from specdecode.config import MAX_LOGPROBS
@@ -17,6 +17,21 @@ from specdecode.drafters.registry import all_options
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 4.0 as an integer, so an integer field takes it (as 4); 4.5 and "4" stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field within `bounds` (ge, lt, ...) that takes integral JSON numbers; the bounds come before the
+    validator, or pydantic leaves them out of the published schema."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int = integer()
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = False
@@ -25,11 +40,15 @@ class StreamOptions(BaseModel):
 class _SpeculativeBase(BaseModel):
     model_config = STRICT | ConfigDict(extra="forbid")
     method: str | None = None
-    num_draft_tokens: int | None = None
+    num_draft_tokens: Int | None = None
+    verification: Literal["block", "token"] | None = Field(
+        default=None, description="how a sampled chain of drafts is verified: block (jointly) or token (token by "
+        "token); both lossless")
 
     def drafter_options(self) -> dict:
         """The drafter options the request sets (the rest keep the server's)."""
-        return {name: value for name, value in self if name not in ("method", "num_draft_tokens") and value is not None}
+        settings = ("method", "num_draft_tokens", "verification")
+        return {name: value for name, value in self if name not in settings and value is not None}
 
 
 # Per-request speculation, overriding the server default (extra body field `speculative`): the method, the draft
@@ -45,14 +64,14 @@ class _GenerationRequest(BaseModel):
     model_config = STRICT | ConfigDict(extra="allow")
     # Every field may be null, meaning "the default", as OpenAI's own client sends it.
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=0, ge=0)
+    top_k: integer(ge=0) | None = 0
     min_p: float | None = Field(default=0.0, ge=0, lt=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    n: int | None = 1
+    seed: integer(ge=0, lt=2**63) | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
+    n: Literal[1] | None = Field(default=1, description="one choice per request is served")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride | None = None
@@ -68,8 +87,8 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+    prompt: NonEmpty | Annotated[list[Int], Field(min_length=1)]
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(default=None,
                                  description="log-probabilities of each token and of the N most likely alternatives")
 
     def logprobs_asked(self) -> int | None:
@@ -80,7 +99,7 @@ class ContentPart(BaseModel):
     """One part of OpenAI's list form of message content; only text parts can be served."""
 
     model_config = STRICT | ConfigDict(extra="allow")
-    type: str
+    type: Literal["text"]
     text: str = ""
 
 
@@ -92,22 +111,58 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        if any(part.type != "text" for part in self.content):
-            raise ValueError("only text content parts are supported")
         return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool | None = Field(default=False, description="log-probability of each emitted token")
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(default=None,
                                      description="with logprobs: the N most likely alternatives at each token")
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def request_models(model_name: str, vocab_size: int, context_limit: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """The completion and chat request models of one server, as tight as what it serves: token ids within its
+    vocabulary, max_tokens within its context, and (in the published schema; another name is a 404, as OpenAI
+    answers) its model's name."""
+    budget = integer(ge=1, le=context_limit) | None
+    model = Annotated[str | None, Field(json_schema_extra={"enum": [model_name, None]})]
+    ids = Annotated[list[integer(ge=0, lt=vocab_size)], Field(min_length=1)]
+    completion = create_model("CompletionRequest", __base__=CompletionRequest, model=(model, None),
+                              max_tokens=(budget, None), prompt=(NonEmpty | ids, ...))
+    chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, model=(model, None),
+                        max_tokens=(budget, None), max_completion_tokens=(budget, None))
+    return completion, chat
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, the answer to every request that does not succeed."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {400: "a malformed or unservable request", 401: "a missing or wrong API key (--api-key)",
+           404: "another model's name", 408: "the request ran past --request-timeout",
+           413: "a body over --max-body-bytes", 429: "every place taken; retry after Retry-After seconds",
+           500: "a bug, reported in the server's log", 503: "the server is shutting down"}
+# What a generation route answers: the result (JSON, or server-sent events with "stream": true) or an error body.
+GENERATION_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "the completion; with stream: true, server-sent events (data: chunks, then [DONE])",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **{status: {"model": ErrorBody, "description": why} for status, why in _ERRORS.items()}}
 
 
 class APIError(Exception):

@@ -148,11 +148,8 @@ class Scheduler:
             self._admit()
             self._drop_ended()
             self._read_prompt()
-            if not self.active:
-                continue
-            groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
-            for group in groups:
-                self._step(group)
+            if self.active:
+                self._step_active()
         for job, request in list(self.active):  # a copy: _end removes each
             self._end(job, request, SpecDecodeError("the server shut down before this request finished"))
         queued = [job for job, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
@@ -246,6 +243,13 @@ class Scheduler:
                 if not job.cancelled.is_set():
                     job.send(RequestTimeout("request timed out"))
                 self._release()
+
+    def _step_active(self) -> None:
+        """One step of every active request: all in one batch, or one at a time when interleaved. In a method of
+        its own so that no local of the worker's loop keeps an ended request's caches alive while it idles."""
+        groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
+        for group in groups:
+            self._step(group)
 
     def _step(self, group: list[tuple[Job, Request]]) -> None:
         """One step of every request in `group`, in one batch: the unit of fairness between streams."""

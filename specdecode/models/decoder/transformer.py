@@ -107,6 +107,8 @@ class Transformer(nn.Module):
         # ([B, T'] long); None = all
         logits_at: torch.Tensor | slice | None = None,
         final_hidden: bool = False,  # also return every position's hidden state after the final norm
+        # the output head to use instead of lm_head (a drafter's head over a reduced vocabulary, [Vd, H])
+        head: nn.Module | None = None,
     ) -> ForwardOutput:
         new = tokens.shape[1]
         cache.check_room(new)
@@ -120,10 +122,11 @@ class Transformer(nn.Module):
             if index + 1 in hidden_layers:
                 hidden[index + 1] = x.to(self.dtype)
         cache.advance(new)
+        head = self.lm_head if head is None else head
         if final_hidden:
             normed = self.norm(x)  # [B, T, hidden]
-            return ForwardOutput(self.lm_head(pick_rows(normed, logits_at)).float(), hidden, normed.to(self.dtype))
-        logits = self.lm_head(self.norm(pick_rows(x, logits_at))).float()  # [B, T', V]
+            return ForwardOutput(head(pick_rows(normed, logits_at)).float(), hidden, normed.to(self.dtype))
+        logits = head(self.norm(pick_rows(x, logits_at))).float()  # [B, T', V] (or [B, T', Vd] from `head`)
         return ForwardOutput(logits, hidden)
 
 

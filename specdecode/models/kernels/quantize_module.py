@@ -1,7 +1,7 @@
-"""Quantize the linear layers of a module already in memory (a drafter's own float weights, such as an EAGLE-3
-head), in place: the layers and kernels a quantized model uses (quantized_from_rows, which quantized_model.py
-builds whole models with), from min-max groups of the float weights. A drafter's precision never changes the output, only how often its drafts
-are accepted and what they cost."""
+"""Quantize the linear layers of a module already in memory (a drafter's own float weights, such as an EAGLE-3 head),
+in place: the layers and kernels a quantized model uses (quantized_from_rows, which quantized_model.py builds whole
+models with), from min-max groups of the float weights. A drafter's precision never changes the output, only how
+often its drafts are accepted and what they cost."""
 
 from __future__ import annotations
 
