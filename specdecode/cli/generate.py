@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
+from specdecode.cli.draft_colours import LEGEND, DraftColours
 from specdecode.cli.options import (
     add_model_args,
     add_sampling_args,
@@ -30,6 +32,9 @@ def add_parser(commands) -> None:
     generate.add_argument("--compare-plain", action="store_true",
                           help="also run plain decoding on the same prompt and report the speedup")
     generate.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
+    generate.add_argument("--show-drafts", action="store_true",
+                          help="colour each token by where it came from: an accepted draft, the target's bonus token, "
+                          "its correction of a rejected draft (the tokens' own text, a stop string's included)")
     add_model_args(generate)
     add_spec_args(generate)
     add_sampling_args(generate)
@@ -55,21 +60,27 @@ def run(args: argparse.Namespace) -> int:
 
     token_ids: list[int] = []
     text: list[str] = []
-    for event in engine.generate(prompt, sampling, raw=args.raw):
+    colours = DraftColours(engine.target.tokenizer) if args.show_drafts and not args.json else None
+    origins, steps = [], []
+    for event in engine.generate(prompt, sampling, raw=args.raw, provenance=args.json or args.show_drafts):
         token_ids.extend(event.token_ids)
         text.append(event.text)
+        origins.extend(asdict(origin) for origin in event.origins or ())
+        steps += [event.step.to_dict()] if event.step is not None else []
         if not args.json:
-            sys.stdout.write(event.text)
+            sys.stdout.write(event.text if colours is None else colours.text(event))
             sys.stdout.flush()
     stats: GenerationStats = event.stats
     peaks["generate"] = peak_rss_bytes()
     report = {"text": "".join(text), "token_ids": token_ids, "finish_reason": event.finish_reason,
-              "stats": stats.to_dict()}
+              "stats": stats.to_dict(), "origins": origins, "steps": steps}
     if not args.json:
         sys.stdout.write("\n")
         sys.stdout.flush()
         if not args.quiet:
             print(stats_line(stats), file=sys.stderr)
+            if colours is not None:
+                print(LEGEND, file=sys.stderr)
     if args.compare_plain:
         report["plain"] = compare_plain(engine, prompt, sampling, args, token_ids, stats)
         peaks["compare_plain"] = peak_rss_bytes()

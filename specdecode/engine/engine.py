@@ -31,6 +31,7 @@ from specdecode.engine.forward import states_read, verify_forwards, verify_input
 from specdecode.engine.load_budget import BatchDraftBudget
 from specdecode.engine.prefill import read_chunk
 from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.engine.provenance import StepTrace, TokenOrigin, origins
 from specdecode.engine.request import GenerationEvent, Request
 from specdecode.engine.speed_guard import PlainStepClock, SpeedGuard
 from specdecode.engine.stats import GenerationStats
@@ -163,9 +164,10 @@ class Engine:
                 param)
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
-                 raw: bool = False) -> Iterator[GenerationEvent]:
-        """One request's events, from its first token to its last (which carries the stats)."""
-        request = self.begin(self.encode(prompt, raw), sampling, spec)
+                 raw: bool = False, provenance: bool = False) -> Iterator[GenerationEvent]:
+        """One request's events, from its first token to its last (which carries the stats); with `provenance`,
+        each event says where its tokens came from (engine/provenance.py)."""
+        request = self.begin(self.encode(prompt, raw), sampling, spec, provenance=provenance)
         try:
             event = self.prefill(request)
             yield event
@@ -212,10 +214,11 @@ class Engine:
         return DraftLength(block - 1, False) if block else DraftLength(spec.num_draft_tokens, spec.adaptive)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
-              chunk: int | None = None, reuse_prefix: bool = True) -> Request:
+              chunk: int | None = None, reuse_prefix: bool = True, provenance: bool = False) -> Request:
         """A new request, its prompt not read yet (`prefill` reads it, `chunk` tokens per call; None: whole). Its
         caches are allocated here, and the longest prefix the prefix cache holds is copied in unless
-        `reuse_prefix` is False (a client's `cache_prompt: false`)."""
+        `reuse_prefix` is False (a client's `cache_prompt: false`). `provenance`: its events say where each token
+        came from (engine/provenance.py)."""
         arrived = perf_counter()
         sampling = sampling or SamplingParams()
         spec = self.spec if spec is None else self.check_spec(spec)
@@ -232,7 +235,8 @@ class Engine:
             eos=frozenset() if sampling.ignore_eos else self.target.tokenizer.eos_token_ids,
             guard=SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts), draft_length=draft_length,
             stats=stats, detokenizer=IncrementalDetokenizer(self.target.tokenizer, sampling.stop), arrived=arrived,
-            chunk=chunk or len(prompt_ids), relaxation=None if spec.relaxed is None else Relaxed.parse(spec.relaxed))
+            chunk=chunk or len(prompt_ids), relaxation=None if spec.relaxed is None else Relaxed.parse(spec.relaxed),
+            provenance=provenance)
         stats.drafter_notes = request.drafter_notes  # one dict: what the drafter notes is in the stats
         if self.prefix_cache is not None and reuse_prefix:
             reused = self.prefix_cache.restore(request)
@@ -254,6 +258,7 @@ class Engine:
         self.load_budget.observe_prefill(request.prompt_len - request.stats.cached_prompt_tokens, target_seconds)
         first = verify(DraftProposal.empty(), prompt.logits, request.sampling, request.generator).next_token
         request.tokens.append(first)
+        request.pending_origins = [TokenOrigin("target")]
         self._record_logprobs(request, prompt.logits, [first])
         drafter_began = perf_counter()
         request.drafter.start(request, prompt)
@@ -289,6 +294,12 @@ class Engine:
                      for request, draft, row_inputs, out in zip(requests, drafts, inputs, outputs)]
         ended = perf_counter()
         for request, draft, tokens in zip(requests, drafts, committed):
+            if request.provenance:
+                proposal = draft.proposal
+                request.last_step = StepTrace(request.stats.target_forwards, proposal.source if proposal.size else "",
+                                              proposal.tokens.tolist(),
+                                              None if proposal.is_chain else proposal.parent_list(),
+                                              len(tokens) - 1 if proposal.size else 0, ended - began)
             if len(requests) == 1:
                 request.guard.observe(ended - began, len(tokens), draft.proposal.size, draft.seconds)
             self.load_budget.observe_sequence(request, draft.budget, len(tokens) - 1, draft.seconds)
@@ -347,6 +358,8 @@ class Engine:
         if request.read_states:
             request.read_states.append(states_read(accepted_path, request.drafter))
         self._record_logprobs(request, accepted_path.logits, result.tokens)
+        if request.provenance:
+            request.pending_origins = origins(proposal, result, request.stats.target_forwards + 1)
         depth = proposal_depth(proposal)
         request.draft_length.update(depth, result.num_accepted)
         request.stats.record_step(proposal.source, proposal.size, depth, result.num_accepted, len(result.tokens))

@@ -16,6 +16,7 @@ from time import perf_counter
 from specdecode.acceptance.logprobs import TokenLogprob
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.engine.draft_length import DraftLength
+from specdecode.engine.provenance import StepTrace, TokenOrigin
 from specdecode.engine.speed_guard import SpeedGuard
 from specdecode.engine.stats import GenerationStats
 from specdecode.models.tokenizer import IncrementalDetokenizer
@@ -29,6 +30,10 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" (end of turn or stop string) or "length" (max tokens / context)
     stats: GenerationStats | None = None  # on the last event only
     logprobs: list[TokenLogprob] | None = None  # one per id of token_ids, when sampling.logprobs asks
+    # When the request asked for provenance (engine/provenance.py): one per id of token_ids, and the step that
+    # committed them (None for the prefill's first token)
+    origins: list[TokenOrigin] | None = None
+    step: StepTrace | None = None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -49,6 +54,10 @@ class Request(Sequence):
     # then each step's kept rows); empty when the engine keeps no prefix cache or the drafter reads none.
     read_states: list[TargetOutput] = field(default_factory=list)
     finish_reason: str | None = None  # None while it runs; "stop" or "length" once it has ended
+    provenance: bool = False  # events say where each token came from (engine/provenance.py)
+    # With provenance: the origins of the tokens committed and not yet handed out, and the step that made them.
+    pending_origins: list[TokenOrigin] = field(default_factory=list)
+    last_step: StepTrace | None = None
 
     @property
     def started(self) -> bool:
@@ -66,13 +75,15 @@ class Request(Sequence):
             new_ids, finish = new_ids[: self.detokenizer.consumed], "stop"
         logprobs = self.logprobs[self.generated - len(new_ids) : self.generated] if self.sampling.logprobs is not None \
             else None
+        origins, step = (self.pending_origins[: len(new_ids)], self.last_step) if self.provenance else (None, None)
+        self.pending_origins, self.last_step = [], None
         if finish is None:
-            return GenerationEvent(new_ids, text, logprobs=logprobs)
+            return GenerationEvent(new_ids, text, logprobs=logprobs, origins=origins, step=step)
         self.finish_reason = finish
         self.stats.new_tokens = self.generated
         self.stats.total_seconds = perf_counter() - self.arrived
         self.close_stats()
-        return GenerationEvent(new_ids, text + self.detokenizer.flush(), finish, self.stats, logprobs)
+        return GenerationEvent(new_ids, text + self.detokenizer.flush(), finish, self.stats, logprobs, origins, step)
 
     def _cut_at_end_of_turn(self, new_ids: list[int]) -> tuple[list[int], str | None]:
         """Take back the ids after an end-of-turn token; say why the request ends, if it does. (A step's draft

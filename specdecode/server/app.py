@@ -7,7 +7,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from importlib import resources
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -15,7 +16,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.drafters.registry import check_options_apply, resolve_spec
+from specdecode.drafters.registry import DRAFTERS, check_options_apply, resolve_spec
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import GenerationEvent
 from specdecode.errors import SpecDecodeError
@@ -33,6 +34,8 @@ from specdecode.server.responses import ResponseShape
 from specdecode.server.scheduler import Job, QueueFull, RequestTimeout, Scheduler, ShuttingDown
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+VIEW = resources.files("specdecode.server") / "view"  # the live view's static files, inside the package
+VIEW_FILES = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,22 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                               engine.drafter_cache_bytes(), scheduler.kv_bytes, settings.kv_memory,
                               engine.prefix_cache)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/", include_in_schema=False)
+    async def live_view() -> Response:
+        return Response(VIEW.joinpath("index.html").read_bytes(), media_type="text/html; charset=utf-8")
+
+    @app.get("/view/{name}", include_in_schema=False)
+    async def view_file(name: str) -> Response:
+        if name not in VIEW_FILES:
+            raise APIError(404, f"no route GET /view/{name}", code="not_found")
+        return Response(VIEW.joinpath(name).read_bytes(), media_type=VIEW_FILES[name])
+
+    @app.get("/v1/specdecode/options")
+    async def drafting_options() -> dict:
+        """What the live view offers: the methods this server can run, each with its own options."""
+        return {"default": {"method": settings.spec.method, "num_draft_tokens": settings.spec.num_draft_tokens},
+                "methods": runnable_methods(engine)}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -173,6 +192,20 @@ def _union_member(part) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
+def runnable_methods(engine: Engine) -> list[dict]:
+    """Every registered method the engine has what it needs for (checked, nothing built), with its options."""
+    methods = []
+    for name, cls in DRAFTERS.items():
+        try:
+            engine.check_spec(SpecConfig(name))
+        except SpecDecodeError:
+            continue
+        options = [{"name": item.name, "type": type(item.default).__name__, "default": item.default,
+                    "help": item.metadata["help"]} for item in fields(cls.Options)]
+        methods.append({"name": name, "options": options})
+    return methods
+
+
 def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
     if body.model and body.model != settings.model_name:
         raise APIError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
@@ -201,7 +234,7 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
     except SpecDecodeError as error:
         raise APIError(400, str(error), param=error.param) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),
-               reuse_prefix=body.cache_prompt is not False)
+               reuse_prefix=body.cache_prompt is not False, provenance=bool(body.provenance))
 
 
 async def next_event(job: Job) -> GenerationEvent:
@@ -217,6 +250,7 @@ async def next_event(job: Job) -> GenerationEvent:
 
 async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict | Response:
     text, logprobs, first_token_at = [], [], None
+    trace: dict | None = None
     try:
         while True:
             waiter = asyncio.ensure_future(next_event(job))
@@ -231,6 +265,9 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
             first_token_at = first_token_at or time.monotonic()
             text.append(event.text)
             logprobs.extend(event.logprobs or ())
+            part = shape.provenance(event.token_ids, event.origins, event.step)
+            if part is not None:
+                trace = part if trace is None else {key: trace[key] + part[key] for key in trace}
             if event.finish_reason is not None:
                 break
     finally:
@@ -238,7 +275,7 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
     metrics.record_generation(event.stats, first_token_at - job.submitted, time.monotonic() - job.submitted)
     metrics.requests.labels(request.url.path, "200").inc()
     return shape.full("".join(text), event.finish_reason, event.stats,
-                      logprobs if event.logprobs is not None else None)
+                      logprobs if event.logprobs is not None else None, trace)
 
 
 async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, metrics: ServerMetrics,
@@ -258,8 +295,9 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
             first_token_at = first_token_at or time.monotonic()
             # A chunk for every event with text or log-probabilities (tokens whose text is held back still
             # have theirs), the first and the last.
-            if event.text or first or event.finish_reason or event.logprobs:
-                chunk = shape.chunk(event.text, event.finish_reason, first, event.logprobs)
+            if event.text or first or event.finish_reason or event.logprobs or event.origins:
+                chunk = shape.chunk(event.text, event.finish_reason, first, event.logprobs,
+                                    shape.provenance(event.token_ids, event.origins, event.step))
                 yield f"data: {json.dumps(chunk)}\n\n"
                 first = False
             if event.finish_reason is not None:

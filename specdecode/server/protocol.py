@@ -76,6 +76,10 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOverride | None = None
     ignore_eos: bool | None = False
+    provenance: bool | None = Field(
+        default=False, description="with each chunk (and the full answer), under \"specdecode\": every token's "
+        "id, bytes and origin (an accepted draft with its method and position, the target's bonus or correction) "
+        "and the step that made it; the live view at / asks for it")
     cache_prompt: bool | None = Field(default=True, description="take the keys and values of the prompt's "
                                       "beginning from an earlier request when the server kept them (--prefix-cache; "
                                       "llama.cpp's field); false: read the whole prompt")

@@ -31,20 +31,35 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> dict:
+              logprobs: list[TokenLogprob] | None = None, provenance: dict | None = None) -> dict:
+        """`provenance`: this chunk's tokens and step (`provenance()`), under "specdecode" when the request asked."""
+        extra = {} if provenance is None else {"specdecode": provenance}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
-            return self._base("chat.completion.chunk") | {"choices": [choice]}
+            return self._base("chat.completion.chunk") | {"choices": [choice]} | extra
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
-        return self._base("text_completion") | {"choices": [choice]}
+        return self._base("text_completion") | {"choices": [choice]} | extra
+
+    def provenance(self, token_ids: list[int], origins: list | None, step) -> dict | None:
+        """Where each token came from (engine/provenance.py): per token its id, exact bytes, kind ("draft",
+        "corrected", "bonus", "target"), method and draft position; and the step that made them. None when the
+        request did not ask."""
+        if origins is None:
+            return None
+        tokens = [{"id": token, "bytes": list(self.tokenizer.token_bytes(token)),
+                   "special": self.tokenizer.is_special(token), "kind": origin.kind, "method": origin.method,
+                   "position": origin.position, "step": origin.step} for token, origin in zip(token_ids, origins)]
+        steps = [] if step is None else [step.to_dict() | {
+            "drafted_bytes": [list(self.tokenizer.token_bytes(token)) for token in step.drafted]}]
+        return {"tokens": tokens, "steps": steps}
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._base(obj) | {"choices": [], "usage": usage(stats), "speculative": speculative(stats)}
 
     def full(self, text: str, finish_reason: str, stats: GenerationStats,
-             logprobs: list[TokenLogprob] | None = None) -> dict:
+             logprobs: list[TokenLogprob] | None = None, provenance: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
                       "logprobs": self.logprobs(logprobs)}
@@ -52,7 +67,8 @@ class ResponseShape:
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
             body = self._base("text_completion") | {"choices": [choice]}
-        return body | {"usage": usage(stats), "speculative": speculative(stats)}
+        extra = {} if provenance is None else {"specdecode": provenance}
+        return body | {"usage": usage(stats), "speculative": speculative(stats)} | extra
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's logprobs object for the request's next tokens (None when it did not ask).

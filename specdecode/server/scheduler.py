@@ -57,6 +57,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     reuse_prefix: bool = True  # the prompt's beginning may come from the engine's prefix cache
+    provenance: bool = False  # events say where each token came from (engine/provenance.py)
 
     def send(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -202,7 +203,7 @@ class Scheduler:
                     self.waiting = job  # first in line when enough memory frees up
                     return
                 request = self.engine.begin(job.prompt_ids, job.sampling, job.spec, self.prefill_chunk,
-                                            job.reuse_prefix)
+                                            job.reuse_prefix, job.provenance)
             except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
                 job.send(error)
                 self._release()
