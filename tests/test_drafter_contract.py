@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from batched_runs import run_batched
-from conftest import TINY_VOCAB, save_tiny_model, started
+from conftest import TINY_VOCAB, FakeClock, save_tiny_model, started
 from dflash_drafters import write_random_dflash, write_random_dspark
 from eagle3_reference import head_config, random_head, write_head
 from mtp_reference import add_mtp_layers
@@ -76,6 +76,17 @@ def drafter_folders(root, target, vocab: int) -> dict[str, object]:
     return {"eagle3": eagle3_head(root / "eagle3", target, vocab),
             "dflash": write_random_dflash(root / "dflash", target, scale=0.05, favour=favour),
             "dspark": write_random_dspark(root / "dspark", target, scale=0.05, favour=favour, confidence_bias=0.5)}
+
+
+@pytest.fixture(autouse=True)
+def frozen_choice_clock(monkeypatch):
+    """Per-step choice (`auto`, combine="best") ranks members by measured costs: a clock that never moves makes
+    every cost zero, so which member drafts is decided by the estimates of acceptance alone, the same on a busy
+    machine as on a quiet one. These tests compare drafted counts across runs; the choice is
+    tests/test_step_choice.py's subject."""
+    from specdecode.drafters.combination import CombinationDrafter
+
+    monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(FakeClock()))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
-from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 
 UNSEEN = -1  # an M entry no forward has filled
 # The template's prior: the target's best successor is accepted this often (a rank-r one, this / (r + 1)); it
@@ -110,9 +110,6 @@ class RecycleDrafter(Drafter):
             parents.append(-1 if parent == -1 else kept[parent])
         return DraftProposal(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None,
                              self.name)
-
-    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
-        """Nothing: `observe` saw every row of the forward, the accepted ones included."""
 
     def max_nodes(self, budget: int) -> int:
         return max(budget, len(self.template))

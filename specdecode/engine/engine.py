@@ -258,7 +258,8 @@ class Engine:
         self.load_budget.observe_prefill(request.prompt_len - request.stats.cached_prompt_tokens, target_seconds)
         first = verify(DraftProposal.empty(), prompt.logits, request.sampling, request.generator).next_token
         request.tokens.append(first)
-        request.pending_origins = [TokenOrigin("target")]
+        if request.provenance:
+            request.pending_origins = [TokenOrigin("target")]
         self._record_logprobs(request, prompt.logits, [first])
         drafter_began = perf_counter()
         request.drafter.start(request, prompt)

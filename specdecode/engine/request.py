@@ -75,8 +75,10 @@ class Request(Sequence):
             new_ids, finish = new_ids[: self.detokenizer.consumed], "stop"
         logprobs = self.logprobs[self.generated - len(new_ids) : self.generated] if self.sampling.logprobs is not None \
             else None
-        origins, step = (self.pending_origins[: len(new_ids)], self.last_step) if self.provenance else (None, None)
-        self.pending_origins, self.last_step = [], None
+        origins, step = None, None
+        if self.provenance:
+            origins, step = self.pending_origins[: len(new_ids)], self.last_step
+            self.pending_origins, self.last_step = [], None
         if finish is None:
             return GenerationEvent(new_ids, text, logprobs=logprobs, origins=origins, step=step)
         self.finish_reason = finish
