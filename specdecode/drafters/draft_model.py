@@ -71,6 +71,12 @@ class DraftModelDrafter(Drafter):
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
         cls.check_resources(resources)
         check_vocabularies(resources.target, resources.draft)
+        if options.draft_tree_nodes and resources.draft.config.is_hybrid:
+            # Its tree levels would each start from states of nodes fed in earlier forwards, which the recurrent
+            # cache does not keep (it rolls back over chains and over one forward's tree).
+            raise SpecDecodeError(f"draft_tree_nodes needs a draft model with attention layers only; "
+                                  f"{resources.draft.name} is a hybrid (Gated DeltaNet) model, which drafts chains "
+                                  "(leave draft_tree_nodes at 0; the target verifies trees from other drafters)")
         vocab = resources.target.config.vocab_size
         if not options.draft_vocab or options.draft_vocab >= min(vocab, resources.draft.config.vocab_size):
             return cls(resources.draft, vocab, options)
@@ -97,7 +103,8 @@ class DraftModelDrafter(Drafter):
     def defer_start(self, seq: Sequence) -> bool:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
         slack = seq.draft_limit * (self.options.draft_tree_width if self.tree else 1)
-        cache = self.draft.model.new_cache(seq.capacity + slack)
+        # A recurrent draft model rolls back over a drafting step's rows and its catch-up's (decoder/hybrid.py).
+        cache = self.draft.model.new_cache(seq.capacity + slack, rollback_rows=2 * slack + 2)
         reused = seq.reused_drafter_rows.get(self.name)
         if reused is not None:  # the prompt's beginning, as an earlier request read it (prefix_cache.py)
             cache.fill(*reused)

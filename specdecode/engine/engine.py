@@ -199,9 +199,7 @@ class Engine:
         return self._cache_bytes(min(self.context_limit, prompt_len + sampling.max_tokens))
 
     def _cache_bytes(self, slots: int) -> int:
-        config = self.target.model.config
-        per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.target.model.dtype.itemsize
-        return slots * (per_slot + 8)  # + each slot's int64 position
+        return self.target.model.cache_bytes(slots)
 
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
@@ -227,7 +225,9 @@ class Engine:
         draft_length = self._draft_length(drafter, spec)
         generator = torch.Generator(device=self.target.model.device)
         generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
-        cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec))
+        # A hybrid trunk's recurrent states roll back over one verify forward's rows (root and proposed nodes).
+        cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec),
+                                            rollback_rows=drafter.max_nodes(draft_length.maximum) + 1)
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
         request = Request(
             list(prompt_ids), len(prompt_ids), sampling, spec, generator,

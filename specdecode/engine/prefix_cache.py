@@ -9,6 +9,10 @@ whole read would give it; a request whose drafter reads states takes only entrie
 drafter with a KV cache of its own over the tokens (a draft model) has its rows kept too, and a later request's
 drafter starts from them (Drafter.token_caches).
 
+A hybrid target (Qwen 3.5) also needs the recurrent states after the reused rows, and those exist only where
+an entry ends (decoder/recurrent_cache.py), so its entries are reused whole or not at all: a chat's next turn,
+which begins with the whole of the last one, still hits. A recurrent draft model's rows are not kept.
+
 What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
 share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
 shape, so tokens may differ at near-ties, as with chunked prefill. Entries are dropped least recently used first
@@ -25,6 +29,7 @@ import torch
 from specdecode.drafters.base import DrafterCaps
 from specdecode.engine.request import Request
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.recurrent_cache import HybridCache, RecurrentState
 from specdecode.spec_types import TargetOutput
 
 
@@ -37,12 +42,18 @@ class PrefixEntry:
     final_hidden: torch.Tensor | None  # [n, H] or None when that drafter read none
     # drafter name -> its own keys and values [L', Hkv', m, D'] of the first m <= n tokens (a draft model's)
     drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    recurrent: RecurrentState | None = None  # a hybrid target's states after all n rows
+
+    def usable_length(self, common: int) -> int:
+        """Of `common` leading tokens shared with a prompt, how many can be reused (a hybrid entry: all or none)."""
+        return common if self.recurrent is None or common == self.tokens.numel() else 0
 
     @property
     def nbytes(self) -> int:
         states = [*self.hidden.values(), *([] if self.final_hidden is None else [self.final_hidden])]
         states += [part for pair in self.drafter_rows.values() for part in pair]
-        return self.tokens.nbytes + self.keys.nbytes + self.values.nbytes + sum(s.nbytes for s in states)
+        recurrent = 0 if self.recurrent is None else self.recurrent.nbytes
+        return self.tokens.nbytes + self.keys.nbytes + self.values.nbytes + sum(s.nbytes for s in states) + recurrent
 
     def has_states(self, layers, final: bool) -> bool:
         """Whether the entry kept the hidden states of these boundary ids (and the final ones, if `final`)."""
@@ -80,7 +91,10 @@ class PrefixCache:
             return None
         self._entries.remove(entry)
         self._entries.append(entry)
-        seq.cache.fill(entry.keys[:, :, :length], entry.values[:, :, :length])
+        if entry.recurrent is None:
+            seq.cache.fill(entry.keys[:, :, :length], entry.values[:, :, :length])
+        else:
+            seq.cache.fill(entry.keys, entry.values, entry.recurrent)
         seq.reused_drafter_rows = {name: (keys[:, :, :length], values[:, :, :length])
                                    for name, (keys, values) in entry.drafter_rows.items()}
         hidden = {layer: entry.hidden[layer][:length] for layer in caps.hidden_layers}  # [length, H] each
@@ -91,7 +105,7 @@ class PrefixCache:
         query = torch.tensor(tokens, dtype=torch.long)  # [P - 1]
         best, best_length = None, 0
         for entry in self._entries:
-            length = _common_prefix(entry.tokens, query, entry.reusable_rows(caps))
+            length = entry.usable_length(_common_prefix(entry.tokens, query, entry.reusable_rows(caps)))
             if length > best_length:
                 best, best_length = entry, length
         return best, best_length
@@ -107,8 +121,10 @@ class PrefixCache:
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         drafter_rows = {name: (cache.keys[:, 0, :, :rows].clone(), cache.values[:, 0, :, :rows].clone())
                         for name, cache in seq.drafter.token_caches(seq).items()
-                        if (rows := min(cache.lengths[0], length)) > 0}
-        new = PrefixEntry(tokens, keys.clone(), values.clone(), states.hidden, states.final_hidden, drafter_rows)
+                        if (rows := min(cache.lengths[0], length)) > 0 and not isinstance(cache, HybridCache)}
+        recurrent = seq.cache.state() if isinstance(seq.cache, HybridCache) else None
+        new = PrefixEntry(tokens, keys.clone(), values.clone(), states.hidden, states.final_hidden, drafter_rows,
+                          recurrent)
         for entry in list(self._entries):
             common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
             if common == length and entry.has_states(new.hidden, new.final_hidden is not None):

@@ -18,6 +18,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.auto_quant import choose_quant
 from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, pack_linears
+from specdecode.models.decoder.hybrid import build_model
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
@@ -212,7 +213,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str, quiet: bool = Tru
     rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
     state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}
     with torch.device("meta"):
-        model = Transformer(config)
+        model = build_model(config)
     model.load_state_dict(state, strict=False, assign=True)
     model.finish_loading(rope_factors)
     if can_pack(model):

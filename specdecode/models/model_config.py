@@ -7,10 +7,17 @@ from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Hugging Face model types that are one of ours plus multi-token-prediction layers (decoder/mtp.py).
-MTP_ARCHITECTURES = {"mimo": "qwen2"}
-MTP_LAYOUTS = ("deepseek", "mimo")  # tensor naming and concat order, see decoder/mtp.py
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
+# Hugging Face model types that are one of ours plus multi-token-prediction layers (decoder/mtp.py), or one of ours
+# under another name (Qwen 3.5's text-only and multimodal checkpoints; Qwen 3.6 dense ships as qwen3_5).
+MTP_ARCHITECTURES = {"mimo": "qwen2", "qwen3_5_text": "qwen3_5"}
+MTP_LAYOUTS = ("deepseek", "mimo", "qwen3_5")  # tensor naming and concat order, see decoder/mtp.py
+# Known architectures we do not run, with why (inspect and load say it in one line).
+NOT_SUPPORTED = {"qwen3_5_moe": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented (the dense Qwen 3.5 "
+                                "models are)",
+                 "qwen3_5_moe_text": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented",
+                 "qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,17 @@ class ModelConfig:
     mtp_layers: int = 0
     mtp_declared: int = 0
     mtp_layout: str = "deepseek"
+    # Hybrid trunks (Qwen 3.5): each layer's token mixer; () = every layer full attention. Gated DeltaNet layers
+    # ("linear_attention", decoder/gated_deltanet.py) have these sizes.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    rotary_dim: int | None = None  # rope on the first rotary_dim of each head's dims (None: all of them)
+    attn_output_gate: bool = False  # Qwen 3.5's attention multiplies its output by sigmoid of a second query
+    zero_centred_norms: bool = False  # RMSNorm weights w meaning x/rms(x) * (1 + w) (Qwen 3.5, Gemma)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,16 +92,60 @@ class ModelConfig:
             raise SpecDecodeError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise SpecDecodeError(f"config: layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                                  f"{self.num_layers} layers, got {list(self.layer_types)!r}")
+        if self.rotary_dim is not None and (type(self.rotary_dim) is not int or self.rotary_dim % 2
+                                            or not 0 < self.rotary_dim <= self.head_dim):
+            raise SpecDecodeError(f"config: the rotary dimension must be even and at most head_dim "
+                                  f"({self.head_dim}), got {self.rotary_dim!r}")
+        if self.recurrent_layers:
+            sizes = {"linear_num_key_heads": self.linear_num_key_heads,
+                     "linear_num_value_heads": self.linear_num_value_heads,
+                     "linear_key_head_dim": self.linear_key_head_dim,
+                     "linear_value_head_dim": self.linear_value_head_dim,
+                     "linear_conv_kernel_dim": self.linear_conv_kernel}
+            for name, value in sizes.items():
+                if type(value) is not int or value < 1:
+                    raise SpecDecodeError(f"config: {name} must be a positive integer, got {value!r}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise SpecDecodeError(f"config: linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                                      f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the trunk is built from decoder/hybrid.py's layers (Qwen 3.5) rather than the Llama family's."""
+        return self.architecture == "qwen3_5"
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The indices of the Gated DeltaNet layers (their recurrent states live in recurrent_cache.py)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The indices of the layers with a KV cache, in cache order."""
+        return tuple(i for i in range(self.num_layers) if i not in self.recurrent_layers)
 
     @property
     def parameter_count(self) -> int:
         """Weights the architecture holds, from its sizes (a quantized model's buffers would miscount them)."""
-        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim \
+        query_heads = self.num_heads * (2 if self.attn_output_gate else 1)
+        attention = self.hidden_size * (query_heads + 2 * self.num_kv_heads) * self.head_dim \
             + self.num_heads * self.head_dim * self.hidden_size
-        layer = attention + 3 * self.hidden_size * self.intermediate_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        recurrent = self.hidden_size * (2 * key_dim + 2 * value_dim + 2 * self.linear_num_value_heads) \
+            + value_dim * self.hidden_size + (2 * key_dim + value_dim) * self.linear_conv_kernel
+        mixers = len(self.attention_layers) * attention + len(self.recurrent_layers) * recurrent
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        mtp = 2 * self.hidden_size * self.hidden_size + layer  # eh_proj and the block (norms aside)
-        return embeddings + self.num_layers * layer + self.mtp_layers * mtp
+        mtp = 2 * self.hidden_size * self.hidden_size + attention + mlp  # eh_proj and the block (norms aside)
+        return embeddings + mixers + self.num_layers * mlp + self.mtp_layers * mtp
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -95,10 +157,13 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict) -> ModelConfig:
+        hf = _text_config(hf)
         model_type = hf.get("model_type")
         arch = MTP_ARCHITECTURES.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise SpecDecodeError(unsupported_message(arch or str(hf.get("architectures"))))
+        if arch == "qwen3_5":
+            return cls._qwen3_5(hf)
         num_heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
         use_window = hf.get("use_sliding_window", arch == "mistral")
@@ -130,6 +195,35 @@ class ModelConfig:
             mtp_layout="mimo" if model_type == "mimo" else "deepseek",
         )
 
+    @classmethod
+    def _qwen3_5(cls, hf: dict) -> ModelConfig:
+        """Qwen 3.5 / 3.6 dense: Gated DeltaNet and gated full attention layers, zero-centred norms, partial
+        rotary (its multimodal rope is plain rope for text: every section reads the same position)."""
+        num_heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        interval = hf.get("full_attention_interval", 4)
+        layer_types = hf.get("layer_types") or [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        mtp = hf.get("mtp_num_hidden_layers") or 0
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture="qwen3_5", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+            qk_norm=True, bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            mtp_layers=mtp, mtp_declared=mtp, mtp_layout="qwen3_5", layer_types=tuple(layer_types),
+            linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
+            linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
+            linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4), rotary_dim=int(head_dim * partial) // 2 * 2,
+            attn_output_gate=True, zero_centred_norms=True)
+
     def to_hf(self) -> dict:
         """The config.json we write next to converted weights, readable by transformers too."""
         hf = {
@@ -155,6 +249,16 @@ class ModelConfig:
         }
         if self.architecture != "qwen2":
             hf["attention_bias"] = self.qkv_bias
+        if self.is_hybrid:
+            hf.update(model_type="qwen3_5_text", layer_types=list(self.layer_types),
+                      linear_num_key_heads=self.linear_num_key_heads,
+                      linear_num_value_heads=self.linear_num_value_heads,
+                      linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
+                      linear_conv_kernel_dim=self.linear_conv_kernel, hidden_act="silu",
+                      rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                       "partial_rotary_factor": self.rotary_dim / self.head_dim},
+                      mtp_num_hidden_layers=self.mtp_layers)
+            return hf
         if self.mtp_layers:
             hf["num_nextn_predict_layers"] = self.mtp_layers  # the layers written with it
             if self.mtp_layout == "mimo":  # MiMo is a Qwen2 trunk with MTP layers under its own names
@@ -196,11 +300,23 @@ _HF_CLASS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
 }
 
 
 def unsupported_message(name: str | None) -> str:
-    return f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    why = f" ({NOT_SUPPORTED[name]})" if name in NOT_SUPPORTED else ""
+    return f"unsupported architecture {name!r}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _text_config(hf: dict) -> dict:
+    """A multimodal checkpoint's language model config (Qwen 3.5's text_config), with the top level's token ids
+    where the text part leaves them out; any other config as it is."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        return hf
+    inherited = {key: hf[key] for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if key in hf}
+    return inherited | text
 
 
 def _rope_theta(hf: dict) -> float:

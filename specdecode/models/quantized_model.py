@@ -30,6 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.hybrid import build_model
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.formats.default_models import cache_dir
@@ -78,7 +79,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     sources = matching_sources(source, where, config)
     _free_large_blocks_promptly()
     with torch.device("meta"):
-        model = Transformer(config)
+        model = build_model(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     floats = {name: stacked_as(source, names, dtype) for name, names in sources.items()
               if name.removesuffix(".weight") not in linears}  # norms, biases, embedding
@@ -132,7 +133,7 @@ def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path
 def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
     state = read_tensors(path)  # copies of their own, not views into the file: the kernels align their data
     with torch.device("meta"):
-        model = Transformer(config)
+        model = build_model(config)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue

@@ -170,3 +170,25 @@ class CacheBatch:
     def advance(self, new_tokens: int) -> None:
         for cache in self.caches:
             cache.advance(new_tokens)
+
+    # A hybrid trunk's recurrent states (recurrent_cache.py's HybridCache): stacked for the forward, each
+    # sequence's rows handed back to its own cache.
+    @property
+    def row_parents(self) -> torch.Tensor | None:
+        parents = [cache.row_parents for cache in self.caches]
+        return None if parents[0] is None else torch.cat(parents)
+
+    def record_rows(self, parents: torch.Tensor | None) -> None:
+        for b, cache in enumerate(self.caches):
+            cache.record_rows(None if parents is None else parents[b : b + 1])
+
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [cache.recurrent_state(layer) for cache in self.caches]
+        return torch.cat([conv for conv, _ in parts]), torch.cat([ssm for _, ssm in parts])
+
+    def rows_kept_from(self, new: int) -> int:
+        return min(cache.rows_kept_from(new) for cache in self.caches)
+
+    def write_recurrent(self, layer: int, conv_rows: torch.Tensor, ssm_rows: torch.Tensor, every_row: bool) -> None:
+        for b, cache in enumerate(self.caches):
+            cache.write_recurrent(layer, conv_rows[b : b + 1], ssm_rows[b : b + 1], every_row)

@@ -11,6 +11,10 @@ predicts one token further, through the model's own output head. As vLLM and SGL
 The first module reads the trunk's final hidden state after its final norm (what feeds lm_head). A further
 draft step feeds back y, before out_norm, as vLLM does for DeepSeek; MiMo's own code defines one step only, so
 ours follows the same rule for both and a GGUF file (DeepSeek names) means the same thing as a MiMo folder.
+Qwen 3.5 (3.6) ships one module, reused for every draft step, which feeds back out_norm(y) (vLLM's
+qwen3_5_mtp.py and transformers' MtpLayer with its post_norm agree), with zero-centred norms, its block a gated
+full-attention layer of the trunk's family, in the [embedding ; hidden] order:
+    qwen3_5:  mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.{j}.<decoder layer>}
 
 Names in checkpoints (formats: weight_source.parameter_sources maps them onto ours, `mtp.{j}.*`):
     deepseek: model.layers.{L+j}.{enorm, hnorm, eh_proj, shared_head.norm, <decoder layer>}
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCentredRMSNorm
 from specdecode.models.decoder.kv_cache import KVCache
 from specdecode.models.decoder.layers import DecoderLayer, RMSNorm
 from specdecode.models.model_config import ModelConfig
@@ -32,12 +37,16 @@ class MTPModule(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden = config.hidden_size
-        self.token_norm = RMSNorm(hidden, config.rms_norm_eps)  # on the next token's embedding
-        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)  # on the incoming hidden state
+        norm = ZeroCentredRMSNorm if config.zero_centred_norms else RMSNorm
+        self.token_norm = norm(hidden, config.rms_norm_eps)  # on the next token's embedding
+        self.hidden_norm = norm(hidden, config.rms_norm_eps)  # on the incoming hidden state
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(config)
-        self.out_norm = RMSNorm(hidden, config.rms_norm_eps)
+        # Qwen 3.5's block is a full-attention layer of its hybrid family, with a KV cache of its own (index 0).
+        self.block = HybridDecoderLayer(config, "full_attention", 0) if config.is_hybrid else DecoderLayer(config)
+        self.out_norm = norm(hidden, config.rms_norm_eps)
         self.hidden_first = config.mtp_layout == "mimo"
+        # Qwen 3.5 feeds the next step the normed output (vLLM's qwen3_5_mtp, transformers' MtpLayer post_norm).
+        self.feeds_back_normed = config.mtp_layout == "qwen3_5"
 
     @classmethod
     def sharing(cls, module: MTPModule, block: nn.Module) -> MTPModule:
@@ -47,6 +56,7 @@ class MTPModule(nn.Module):
         nn.Module.__init__(twin)
         twin.token_norm, twin.hidden_norm, twin.proj = module.token_norm, module.hidden_norm, module.proj
         twin.block, twin.out_norm, twin.hidden_first = block, module.out_norm, module.hidden_first
+        twin.feeds_back_normed = module.feeds_back_normed
         return twin
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -57,4 +67,5 @@ class MTPModule(nn.Module):
         joined = torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1)  # [B, T, 2H]
         # One cache per module (index 0): a module's rows are its own, whatever the others hold.
         out = self.block(self.proj(joined), cos, sin, cache, 0, mask)  # [B, T, H]
-        return self.out_norm(out), out
+        normed = self.out_norm(out)
+        return normed, normed if self.feeds_back_normed else out

@@ -11,8 +11,9 @@ from specdecode.models.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig, rope_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, with the config's scaling applied."""
-    dim = config.head_dim
+    """[rotary_dim/2] float32 inverse frequencies (rotary_dim = head_dim unless the config rotates part of each
+    head), with the config's scaling applied."""
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if rope_factors is not None:
         # GGUF files of llama3-scaled models carry the per-frequency divisors as a tensor instead of a config.

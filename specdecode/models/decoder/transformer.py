@@ -57,7 +57,8 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> KVCache:
+        """`rollback_rows` matters to recurrent layers only (decoder/hybrid.py): a KV cache rolls back any way."""
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
@@ -69,6 +70,15 @@ class Transformer(nn.Module):
             eye = torch.eye(hidden, dtype=self.dtype, device=self.device)  # [H, H]
             columns = torch.cat([self.lm_head(eye[i : i + 256])[:, ids.to(self.device)] for i in range(0, hidden, 256)])
         return columns.T.float().contiguous()  # [Vd, H]
+
+    def begin_rows(self, cache: KVCache | CacheBatch, attn_mask: torch.Tensor | None, new: int) -> None:
+        """Before a forward's layers run: nothing for a KV cache (a hybrid trunk tells its recurrent states each
+        row's parent, decoder/hybrid.py)."""
+
+    def cache_bytes(self, slots: int) -> int:
+        """Memory a one-sequence cache of `slots` slots holds."""
+        c = self.config
+        return slots * (2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize + 8)
 
     def new_mtp_cache(self, capacity: int) -> KVCache:
         """A cache for one MTP module's attention (one layer, one sequence)."""
@@ -115,6 +125,7 @@ class Transformer(nn.Module):
         mask = attention_mask(positions, cache, attn_mask, self.config.sliding_window)
         cos, sin = self.rope.lookup(positions)
         cache.record_positions(positions)
+        self.begin_rows(cache, attn_mask, new)
         x = self.embed(tokens)  # [B, T, hidden]
         hidden = {0: x} if 0 in hidden_layers else {}
         for index, layer in enumerate(self.layers):

@@ -26,6 +26,7 @@ from specdecode.models.formats.gguf_convert import (
     unpermute_llama_qk,
 )
 from specdecode.models.formats.gguf_int4 import q4_k_groups
+from specdecode.models.formats.hybrid_names import VISION_PREFIX, hybrid_mtp_names, hybrid_shapes, hybrid_sources
 from specdecode.models.model_config import ModelConfig
 
 ALL_ROWS = slice(None)
@@ -37,6 +38,8 @@ def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
 
     q/k/v and gate/up are fused so each layer streams two fewer weights per token.
     """
+    if config.is_hybrid:
+        return hybrid_sources(config)
     sources = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
@@ -100,8 +103,11 @@ def mtp_tensors_present(names: set[str], config: ModelConfig) -> int:
     if not config.mtp_declared:
         return 0
     declared = replace(config, mtp_layers=config.mtp_declared)
-    wanted = {name for j in range(config.mtp_declared) for names_ in mtp_sources(j, declared).values()
-              for name in names_}
+    if config.is_hybrid:
+        wanted = hybrid_mtp_names(config)
+    else:
+        wanted = {name for j in range(config.mtp_declared) for names_ in mtp_sources(j, declared).values()
+                  for name in names_}
     found = wanted & names
     if found and found != wanted:
         raise SpecDecodeError(f"the weights hold only part of the {config.mtp_declared} MTP layers the config "
@@ -122,8 +128,10 @@ def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: 
     sources = parameter_sources(config)
     needed = {name for names in sources.values() for name in names}
     missing = sorted(needed - available)
-    # A tied head stored anyway is harmless; anything else unused means a different model.
-    unexpected = sorted(available - needed - {"lm_head.weight", "rope_freqs"} - _mtp_shared_copies(config))
+    # A tied head stored anyway is harmless (and a multimodal checkpoint's vision tower, which is not read);
+    # anything else unused means a different model.
+    unexpected = sorted(name for name in available - needed - {"lm_head.weight", "rope_freqs"}
+                        - _mtp_shared_copies(config) if not name.startswith(VISION_PREFIX))
     if missing or unexpected:
         raise SpecDecodeError(
             f"{where}: weights do not match a {config.architecture} model"
@@ -147,6 +155,8 @@ def _mtp_shared_copies(config: ModelConfig) -> set[str]:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name (without "model.") -> the shape the config implies for it."""
+    if config.is_hybrid:
+        return hybrid_shapes(config)
     hidden, inner, head = config.hidden_size, config.intermediate_size, config.head_dim
     q_size, kv_size = config.num_heads * head, config.num_kv_heads * head
     shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
@@ -183,7 +193,8 @@ class FolderWeights:
                 raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
             self._handles[file] = handle
             for key in handle.keys():
-                self._file_of[key.removeprefix("model.")] = (file, key)
+                # A multimodal checkpoint keeps its language model under model.language_model.
+                self._file_of[key.removeprefix("model.").removeprefix("language_model.")] = (file, key)
 
     def names(self) -> set[str]:
         return set(self._file_of)

@@ -21,6 +21,7 @@ from torch import nn
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import DecoderLayer
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.kernels.hybrid_kernels import fix_hybrid_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
@@ -49,6 +50,9 @@ def fuse_layers(model: Transformer) -> None:
     vector code (else the PyTorch layers run). Call before `finish_loading`, which builds the cos/sin table
     in the dtype the layers want."""
     layers, config = model.layers, model.config
+    if config.is_hybrid:  # its own layers; the attention kernel where the matmuls allow (hybrid_kernels.py)
+        fix_hybrid_layers(model)
+        return
     linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
     if not linears or not all(isinstance(m, W4A8Linear) for m in linears):
         return

@@ -1,0 +1,60 @@
+"""A hybrid trunk (decoder/hybrid.py) made batch-invariant where this machine allows, as the Llama family's fused
+and fixed-order layers are: its full-attention layers run the compiled fixed-order attention (attention.cpp,
+each row summing its visible slots in slot order), and its matmuls are row-invariant (w4a8, or oneDNN's packed
+float kernels found so by a probe at load). The Gated DeltaNet layers need nothing: their sequential form does
+the same element-wise arithmetic for a row whatever else is in its forward (gated_deltanet.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdecode.models.decoder.hybrid import HybridTransformer
+from specdecode.models.decoder.packed_linear import rows_invariant
+from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fix_hybrid_layers(model: HybridTransformer) -> str | None:
+    """Give every full-attention layer the fixed-order attention where the matmuls are row-invariant here ->
+    None when done, else why not (the layers stay on PyTorch's attention)."""
+    if model.device.type != "cpu" or model.dtype not in _DTYPES:
+        return f"the fixed-order attention runs on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
+    if model.config.head_dim % 16:
+        return f"the fixed-order attention needs a head size that is a multiple of 16, not {model.config.head_dim}"
+    reason = w4a8_unavailable()
+    if reason is not None:
+        return f"the attention kernel is unavailable: {reason}"
+    linears = _linears(model)
+    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+        if len({type(linear) for linear in linears}) > 1:
+            return "its linear layers are packed for oneDNN only in part"
+        generator = torch.Generator().manual_seed(0)
+        probes = {type(layer.mixer): layer for layer in model.layers}.values()
+        samples = [linear for layer in probes for linear in _layer_linears(layer)] + [model.lm_head]
+        if not all(rows_invariant(linear, generator, model.dtype) for linear in samples):
+            return "the matmul on this CPU sums in an order that depends on the number of rows"
+    attend = load_kernel().attend
+    for layer in model.layers:
+        if layer.kind == "full_attention":
+            layer.mixer.attend = attend
+    model.lm_head.rows_invariant_checked = True
+    return None
+
+
+def hybrid_batch_invariant(model: HybridTransformer) -> bool:
+    """Whether fix_hybrid_layers made the trunk batch-invariant."""
+    attention = [layer.mixer for layer in model.layers if layer.kind == "full_attention"]
+    return all(mixer.attend is not None for mixer in attention) and getattr(model.lm_head, "rows_invariant_checked",
+                                                                          False)
+
+
+def _layer_linears(layer: nn.Module) -> list[nn.Module]:
+    """Every matmul of a layer, whatever its kind (nn.Linear, packed, quantized: each has in_features)."""
+    return [module for module in layer.modules() if hasattr(module, "in_features") and not list(module.children())]
+
+
+def _linears(model: HybridTransformer) -> list[nn.Module]:
+    return [linear for layer in model.layers for linear in _layer_linears(layer)] + [model.lm_head]

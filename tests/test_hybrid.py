@@ -1,0 +1,206 @@
+"""Qwen 3.5's hybrid trunk (Gated DeltaNet + gated full attention) against transformers, and speculation over its
+recurrent states: rollback and tree paths leave exactly the states of a clean run over the accepted tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, save_tiny_model
+from hybrid_reference import add_hybrid_mtp
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.gated_deltanet import SEQUENTIAL_ROWS, chunked_delta_rule, sequential_delta_rule
+from specdecode.models.loader import load_model
+from specdecode.models.model_config import ModelConfig
+
+PATTERNS = {
+    "one-full-in-four": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "full-first": ["full_attention", "linear_attention", "linear_attention"],
+    "full-last": ["linear_attention", "linear_attention", "full_attention"],
+}
+# float32, relative to the largest logit: our three forms against transformers' torch reference (itself chunked)
+RELATIVE_TOLERANCE = 1e-4
+
+
+def close(ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool((ours - expected).abs().max() <= RELATIVE_TOLERANCE * expected.abs().max())
+
+
+def hybrid_folder(root, pattern: str, mtp: bool = False, **overrides):
+    folder = save_tiny_model(root / pattern, "qwen3_5", scale=0.15, layer_types=PATTERNS[pattern],
+                             num_hidden_layers=len(PATTERNS[pattern]), **overrides)
+    if mtp:
+        add_hybrid_mtp(folder, follow=1.0)
+    return folder
+
+
+def reference_logits(folder, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits  # [1, T, V]
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_logits_match_transformers_whole_in_chunks_and_token_by_token(tmp_path, pattern):
+    folder = hybrid_folder(tmp_path, pattern, linear_num_value_heads=4 if pattern != "full-last" else 2)
+    model = load_model(folder, dtype="float32").model
+    ids = torch.randint(0, TINY_VOCAB, (1, 2 * SEQUENTIAL_ROWS + 30), generator=torch.Generator().manual_seed(1))
+    length = ids.shape[1]
+    expected = reference_logits(folder, ids)
+    with torch.inference_mode():
+        whole = model(ids, torch.arange(length).unsqueeze(0), model.new_cache(length)).logits  # chunked form
+        cache, parts = model.new_cache(length), []
+        for start in range(0, length, 40):  # the sequential form, 40 rows a forward
+            rows = torch.arange(start, min(start + 40, length)).unsqueeze(0)
+            parts.append(model(ids[:, start : start + 40], rows, cache).logits)
+        cache, steps = model.new_cache(length), []
+        for t in range(length):  # decoding
+            steps.append(model(ids[:, t : t + 1], torch.tensor([[t]]), cache).logits)
+    for ours in (whole, torch.cat(parts, 1), torch.cat(steps, 1)):
+        assert close(ours, expected)
+
+
+def test_chunked_and_sequential_forms_agree():
+    generator = torch.Generator().manual_seed(0)
+    batch, rows, heads, key_dim, value_dim = 2, 150, 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
+    v = torch.randn(batch, rows, heads, value_dim, generator=generator)
+    log_decay = -torch.rand(batch, rows, heads, generator=generator)
+    beta = torch.rand(batch, rows, heads, generator=generator)
+    state = torch.randn(batch, heads, key_dim, value_dim, generator=generator)
+    out, states = sequential_delta_rule(q, k, v, log_decay, beta, state, None)
+    for chunk in (1, 7, 64, 200):
+        chunked, final = chunked_delta_rule(q, k, v, log_decay, beta, state, chunk)
+        assert torch.allclose(chunked, out, atol=1e-4) and torch.allclose(final, states[:, -1], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    return load_model(hybrid_folder(tmp_path_factory.mktemp("hybrid"), "one-full-in-four"), dtype="float32").model
+
+
+def clean_state(model, tokens: list[int]):
+    """The cache after reading `tokens` as a prompt and then one token at a time... as one forward: a clean run."""
+    cache = model.new_cache(len(tokens) + 8)
+    with torch.inference_mode():
+        model(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0), cache)
+    return cache
+
+
+def assert_same_states(ours, reference):
+    for a, b in zip(ours.state().conv + ours.state().ssm, reference.state().conv + reference.state().ssm):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("accepted", range(5))
+def test_rollback_after_a_rejection_leaves_the_states_of_the_accepted_tokens(hybrid_model, accepted):
+    prompt, drafts = [5, 9, 11, 3, 200, 17], [40, 41, 42, 43]
+    cache = hybrid_model.new_cache(32, rollback_rows=len(drafts) + 1)
+    with torch.inference_mode():
+        hybrid_model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1).unsqueeze(0), cache)
+        rows = [prompt[-1], *drafts]  # the root and the drafted chain, one verify forward
+        start = len(prompt) - 1
+        hybrid_model(torch.tensor([rows]), torch.arange(start, start + len(rows)).unsqueeze(0), cache)
+    cache.keep(start, list(range(accepted + 1)))
+    assert cache.lengths == [start + accepted + 1]
+    assert_same_states(cache, clean_state(hybrid_model, prompt + drafts[:accepted]))
+
+
+def test_a_tree_path_keeps_the_states_of_a_clean_run_over_it(hybrid_model):
+    from conftest import ancestor_mask
+
+    prompt = [7, 8, 9, 10]
+    tokens, parents = [50, 51, 52, 53, 54, 55], [-1, -1, 0, 1, 3, 2]  # two branches from the root
+    cache = hybrid_model.new_cache(32, rollback_rows=len(tokens) + 1)
+    start = len(prompt) - 1
+    with torch.inference_mode():
+        hybrid_model(torch.tensor([prompt[:-1]]), torch.arange(start).unsqueeze(0), cache)
+        depths = [0]
+        for p in parents:
+            depths.append(depths[p + 1] + 1)
+        mask = ancestor_mask([-1] + [p + 1 for p in parents])  # [1, N+1, N+1]: root first, nodes after it
+        rows = torch.tensor([[prompt[-1], *tokens]])
+        hybrid_model(rows, (start + torch.tensor(depths)).unsqueeze(0), cache, attn_mask=mask)
+    path = [0, 2, 4, 5]  # root, node 1, node 3, node 4
+    cache.keep(start, path)
+    assert_same_states(cache, clean_state(hybrid_model, prompt + [tokens[1], tokens[3], tokens[4]]))
+
+
+def test_rolling_back_further_than_its_window_is_one_clear_error(hybrid_model):
+    cache = hybrid_model.new_cache(32)  # plain decoding's: only the current state
+    with torch.inference_mode():
+        for t in range(4):
+            hybrid_model(torch.tensor([[t + 3]]), torch.tensor([[t]]), cache)
+    with pytest.raises(SpecDecodeError, match="keeps the states of its last 1 rows"):
+        cache.truncate(1)
+
+
+def test_the_mtp_module_matches_transformers_mtp_layer(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    folder = hybrid_folder(tmp_path, "one-full-in-four", mtp=True)
+    ours = load_model(folder, dtype="float32").model
+    assert ours.config.mtp_layers == 1
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    mtp_config = reference.config.__class__(**{**reference.config.to_dict(), "layer_types": ["full_attention"],
+                                               "num_hidden_layers": 1})
+    layer = MtpLayer(mtp_config, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, 0).eval()
+    from safetensors.torch import load_file
+
+    stored = load_file(str(folder / "model-mtp.safetensors"))
+    names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "post_norm": "norm"}
+    state = {f"{ours_}.weight": stored[f"mtp.{theirs}.weight"] for ours_, theirs in names.items()}
+    state |= {f"mtp_block.{k.removeprefix('mtp.layers.0.')}": v for k, v in stored.items() if "layers.0." in k}
+    layer.load_state_dict(state)
+    ids = torch.randint(0, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(11).unsqueeze(0)
+    with torch.inference_mode():
+        out = ours(ids[:, :-1], positions, ours.new_cache(12), final_hidden=True)
+        logits, fed_back = ours.mtp_forward(0, ids[:, 1:], out.final_hidden, positions, ours.new_mtp_cache(12))
+        trunk = reference.model(ids[:, :-1], output_hidden_states=True).hidden_states[-1]  # after the final norm
+        embeds = reference.model.embed_tokens(ids[:, 1:])
+        rope = reference.model.rotary_emb(embeds, positions)
+        causal = torch.full((11, 11), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] additive
+        hidden = layer(embeds, trunk, rope, causal, positions, None)
+        expected = reference.lm_head(hidden)
+    assert close(out.final_hidden, trunk)
+    assert close(logits, expected)
+    assert close(fed_back, hidden)  # what a further draft step reads: post-norm
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))  # the draft tokens
+
+
+def test_a_multimodal_checkpoint_loads_its_language_model_and_skips_the_vision_tower(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    text = hybrid_folder(tmp_path, "full-first")
+    folder = tmp_path / "multimodal"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((text / name).read_bytes())
+    config = json.loads((text / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": config,
+                                                    "vision_config": {"depth": 1}, "eos_token_id": 257}))
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(str(text / "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(folder / "model.safetensors"))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.inference_mode():
+        logits = [load_model(f, dtype="float32").model(ids, torch.arange(5).unsqueeze(0),
+                                                       load_model(f, dtype="float32").model.new_cache(5)).logits
+                  for f in (text, folder)]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize(("model_type", "words"), [("qwen3_5_moe", "mixture-of-experts"),
+                                                    ("qwen3_next", "mixture-of-experts")])
+def test_moe_variants_are_refused_with_the_reason(model_type, words):
+    with pytest.raises(SpecDecodeError, match=words):
+        ModelConfig.from_hf({"model_type": model_type, "vocab_size": 8})
