@@ -31,7 +31,7 @@ TINY_CONFIGS = {
     # Qwen 3.5's hybrid trunk: Gated DeltaNet layers with one gated full-attention layer between them
     "qwen3_5": dict(model_type="qwen3_5_text", head_dim=32, num_hidden_layers=4,
                     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }

@@ -8,6 +8,10 @@ new drafter is held to it the day it registers:
   computes (so a tree's rollback kept the accepted path and nothing else);
 - one Engine serves interleaved requests: each output is what it is alone, each request's state goes at finish;
 - a prompt read in chunks (as the server reads one between batched steps) decodes as one read whole.
+
+Every test runs over two targets: a Llama-family one (Qwen2) and a hybrid one (Qwen 3.5: Gated DeltaNet layers
+whose recurrent states roll back), each shipping its own MTP module; the draft model is a Qwen2 for both (a hybrid
+draft model is tested in test_hybrid_engine.py: it drafts chains only).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from batched_runs import run_batched
 from conftest import TINY_VOCAB, FakeClock, save_tiny_model, started
 from dflash_drafters import write_random_dflash, write_random_dspark
 from eagle3_reference import head_config, random_head, write_head
+from hybrid_reference import add_hybrid_mtp
 from mtp_reference import add_mtp_layers
 from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
 
@@ -62,7 +67,9 @@ def eagle3_head(folder, target, vocab: int):
                                 minlength=vocab)
         draft_ids = sorted(counts.topk(6).indices.tolist())
     weights = random_head(target.config.hidden_size, vocab, draft_ids=draft_ids, scale=0.3)
-    return write_head(folder, weights, head_config(weights, vocab, "reference"), "reference")
+    layers = target.config.num_layers  # the reference's default ids collide on a 4-layer target: name them
+    ids = {} if layers == 3 else {"eagle_aux_hidden_state_layer_ids": [1, layers // 2 + 1, layers]}
+    return write_head(folder, weights, head_config(weights, vocab, "reference", **ids), "reference")
 
 
 def drafter_folders(root, target, vocab: int) -> dict[str, object]:
@@ -89,13 +96,22 @@ def frozen_choice_clock(monkeypatch):
     monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(FakeClock()))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """The target (shipping an MTP module), a noisy copy as the draft model, the target's folder, and the
-    folders of drafters with weights of their own (an EAGLE-3 head, a DFlash and a DSpark drafter) for it."""
-    root = tmp_path_factory.mktemp("contract")
-    add_mtp_layers(save_tiny_model(root / "target", "qwen2", scale=0.15), "deepseek", follow=1.0)
-    target = load_model(root / "target", dtype="float32")
+def target_with_mtp(folder, arch: str, **overrides):
+    """A tiny target of `arch` shipping one MTP module that mostly repeats the trunk's prediction."""
+    if arch == "qwen3_5":  # at 0.3 its greedy output repeats itself enough for n-grams to be accepted
+        add_hybrid_mtp(save_tiny_model(folder, arch, scale=0.3, **overrides), follow=1.0)
+    else:
+        add_mtp_layers(save_tiny_model(folder, arch, scale=0.15, **overrides), "deepseek", follow=1.0)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+def pair(request, tmp_path_factory):
+    """The target (shipping an MTP module), a noisy Qwen2 as the draft model (for the Qwen2 target a noisy copy of
+    it), the target's folder, and the folders of drafters with weights of their own (an EAGLE-3 head, a DFlash
+    and a DSpark drafter) for it."""
+    root = tmp_path_factory.mktemp(f"contract-{request.param}")
+    target = load_model(target_with_mtp(root / "target", request.param), dtype="float32")
     draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
     return target, draft, root / "target", drafter_folders(root, target, TINY_VOCAB)
 
@@ -139,10 +155,13 @@ def test_w4a8_target_output_is_bitwise_plain_decoding(w4a8_engine, method, optio
         assert result.token_ids == plain, f"{method} {options} diverged on {prompt!r} in bf16 w4a8"
 
 
-@pytest.fixture(scope="module")
-def small_vocab_engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("contract-vocab8")
-    add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+def small_vocab_engine(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"contract-vocab8-{request.param}")
+    if request.param == "qwen3_5":
+        add_hybrid_mtp(save_tiny_model(root / "t", "qwen3_5", scale=0.6, vocab_size=VOCAB), follow=1.0)
+    else:
+        add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)
     target = load_model(root / "t", dtype="float32")
     draft = load_model(save_tiny_model(root / "d", "qwen2", scale=0.6, noise=0.2, vocab_size=VOCAB), dtype="float32")
     return Engine(target, draft, draft_path=drafter_folders(root, target, VOCAB))
@@ -177,8 +196,14 @@ def test_the_kv_cache_holds_exactly_the_committed_tokens(engine, method, options
         with torch.inference_mode():
             model(torch.tensor([seq.tokens[:-1]]), torch.arange(committed).unsqueeze(0), fresh)
         assert torch.equal(seq.cache.positions[0, :committed], torch.arange(committed))
+        # A hybrid trunk's keys went through its recurrent layers, whose one-forward read sums in another order.
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if model.config.is_hybrid else {"atol": 1e-5}
         for ours, reference in ((seq.cache.keys, fresh.keys), (seq.cache.values, fresh.values)):
-            assert torch.allclose(ours[:, :, :, :committed], reference, atol=1e-5)
+            assert torch.allclose(ours[:, :, :, :committed], reference, **tolerance)
+        if model.config.is_hybrid:  # and the recurrent states are those of the committed tokens
+            ours, reference = seq.cache.state(), fresh.state()
+            for a, b in zip(ours.conv + ours.ssm, reference.conv + reference.ssm):
+                assert torch.allclose(a, b, **tolerance)
     finally:
         engine.finish(seq)
 
@@ -207,7 +232,8 @@ def test_batched_steps_on_a_w4a8_target_equal_each_request_alone(w4a8_engine, mo
     budget is held open (every sequence drafts what it asks), so that drafts are verified in batches."""
     monkeypatch.setattr(w4a8_engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     spec = SpecConfig(method, num_draft_tokens=3, options=options)
-    others = [SpecConfig("none"), SpecConfig("ngram", num_draft_tokens=2)]
+    # recycle drafts from the first steps on, whatever the text (the hybrid target's seldom repeats n-grams)
+    others = [SpecConfig("none"), SpecConfig("recycle", num_draft_tokens=2)]
     requests = [(p, greedy(8 + 6 * i), spec) for i, p in enumerate(PROMPTS)]
     requests += [(p, greedy(12), others[i % 2]) for i, p in enumerate(PROMPTS[:2])]
     alone = [w4a8_engine.complete(*request).token_ids for request in requests]

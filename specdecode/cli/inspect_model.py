@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
+from specdecode.models.model_config import NOT_SUPPORTED
 
 if TYPE_CHECKING:
     from specdecode.models.survey import ModelSurvey
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{args.model}: {report['format']} at {source}")
-    print(f"  architecture: {facts.architecture} ({'runs here' if facts.runs else 'this runtime does not run it'})")
+    why_not = NOT_SUPPORTED.get(facts.architecture, "this runtime does not run it")
+    print(f"  architecture: {facts.architecture} ({'runs here' if facts.runs else why_not})")
     print(f"  MTP layers: {facts.mtp_line()}")
     print("  drafters beside it: " + (", ".join(f"{kind} at {path}" for kind, path in drafters) or "none found"))
     print("  draft models installed: " + (", ".join(drafts) or "none with its vocabulary and at most half its size"))

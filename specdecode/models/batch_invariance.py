@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer
 from specdecode.models.decoder.mtp import MTPModule
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.heads.dflash import DFlashModel
@@ -36,13 +37,18 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     operations work row by row) and the kernel reads their caches' dtype; else None. Their drafts then do not
     depend on what shares their forwards."""
     heads = list(head) if isinstance(head, nn.Sequential) else [head]  # a reduced head is a container of one
-    linears = heads + [linear for module in modules for linear in (
-        module.proj, module.block.attn.qkv, module.block.attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
+    attentions = [getattr(module.block, "attn", None) or module.block.mixer for module in modules]
+    linears = heads + [linear for module, attn in zip(modules, attentions) for linear in (
+        module.proj, attn.qkv, attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
         return None
-    if not _kernel_reads(cache_dtype, modules[0].block.attn.head_dim):
+    if not _kernel_reads(cache_dtype, attentions[0].head_dim):
         return None
     attend = load_kernel().attend
+    if isinstance(modules[0].block, HybridDecoderLayer):  # its attention takes the kernel as an attribute
+        for attn in attentions:
+            attn.attend = attend
+        return modules
     return nn.ModuleList(MTPModule.sharing(module, FloatDecoderLayer(module.block, attend)) for module in modules)
 
 
