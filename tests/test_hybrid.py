@@ -85,7 +85,7 @@ def hybrid_model(tmp_path_factory):
 
 
 def clean_state(model, tokens: list[int]):
-    """The cache after reading `tokens` as a prompt and then one token at a time... as one forward: a clean run."""
+    """A clean run: the cache after reading `tokens` in one forward."""
     cache = model.new_cache(len(tokens) + 8)
     with torch.inference_mode():
         model(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0), cache)
@@ -192,10 +192,9 @@ def test_a_multimodal_checkpoint_loads_its_language_model_and_skips_the_vision_t
     tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(folder / "model.safetensors"))
     ids = torch.tensor([[3, 4, 5, 6, 7]])
+    models = [load_model(f, dtype="float32").model for f in (text, folder)]
     with torch.inference_mode():
-        logits = [load_model(f, dtype="float32").model(ids, torch.arange(5).unsqueeze(0),
-                                                       load_model(f, dtype="float32").model.new_cache(5)).logits
-                  for f in (text, folder)]
+        logits = [model(ids, torch.arange(5).unsqueeze(0), model.new_cache(5)).logits for model in models]
     assert torch.equal(logits[0], logits[1])
 
 
