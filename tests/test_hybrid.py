@@ -203,3 +203,22 @@ def test_a_multimodal_checkpoint_loads_its_language_model_and_skips_the_vision_t
 def test_moe_variants_are_refused_with_the_reason(model_type, words):
     with pytest.raises(SpecDecodeError, match=words):
         ModelConfig.from_hf({"model_type": model_type, "vocab_size": 8})
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(tmp_path):
+    """bf16 rounds through 4 layers of a random model (logits spread about 17); ours stays within twice the
+    distance transformers' own bf16 forward keeps from float32 (measured 1.50 against 1.16)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = hybrid_folder(tmp_path, "one-full-in-four")
+    ids = torch.randint(0, TINY_VOCAB, (1, 24), generator=torch.Generator().manual_seed(10))
+    logits = {}
+    with torch.inference_mode():
+        for dtype in ("float32", "bfloat16"):
+            model = load_model(folder, dtype=dtype).model
+            logits[dtype] = model(ids, torch.arange(24).unsqueeze(0), model.new_cache(24)).logits
+            reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+            logits[f"reference {dtype}"] = reference(ids).logits.float()
+    ours = (logits["bfloat16"] - logits["float32"]).abs().max()
+    theirs = (logits["reference bfloat16"] - logits["reference float32"]).abs().max()
+    assert torch.isfinite(logits["bfloat16"]).all() and ours <= 2 * theirs

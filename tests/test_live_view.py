@@ -31,6 +31,12 @@ def page(models):
         browser.close()
 
 
+def send_and_wait(page) -> None:
+    """Send the form's prompt and wait for its answer to end."""
+    page.click("#send")
+    page.wait_for_function("document.getElementById('status').textContent === 'Done.'", timeout=60_000)
+
+
 def test_a_prompt_streams_coloured_tokens_with_their_steps_and_compares_with_plain_decoding(page):
     methods = page.eval_on_selector_all("#method option", "options => options.map(o => o.value)")
     assert {"", "none", "ngram", "suffix", "draft", "recycle", "auto"} <= set(methods)  # from the registry
@@ -38,8 +44,7 @@ def test_a_prompt_streams_coloured_tokens_with_their_steps_and_compares_with_pla
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "24")
     page.fill("#prompt", "hello hello hello hello")
-    page.click("#send")
-    page.wait_for_function("document.getElementById('status').textContent === 'Done.'", timeout=60_000)
+    send_and_wait(page)
     kinds = page.eval_on_selector_all("#answer span", "spans => spans.map(s => s.className)")
     assert len(kinds) == 24 and any(k.startswith("draft") for k in kinds) and "target" in kinds
     titles = page.eval_on_selector_all("#answer span.draft", "spans => spans.map(s => s.title)")
@@ -58,6 +63,5 @@ def test_a_tree_method_shows_its_last_tree(page):
     page.fill("#max-tokens", "48")
     page.fill("#prompt", "abc abc abc abd abd abc")
     page.eval_on_selector("input[data-option='suffix_tree_nodes']", "input => { input.value = '8'; }")
-    page.click("#send")
-    page.wait_for_function("document.getElementById('status').textContent === 'Done.'", timeout=60_000)
+    send_and_wait(page)
     assert page.is_visible("#tree") and "last tree" in page.inner_text("#tree")

@@ -26,7 +26,7 @@ HIDDEN_ATOL, HIDDEN_RTOL = 1e-4, 1e-4
 BF16_ATOL_FRACTION = 0.05
 BF16_MIN_COSINE = 0.99
 
-ARCHS = list(TINY_CONFIGS)
+ARCHS = [arch for arch in TINY_CONFIGS if arch != "qwen3_5"]  # the Llama family; the hybrid: test_hybrid.py
 
 
 def token_ids(length: int, seed: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ drafter starts from them (Drafter.token_caches).
 
 A hybrid target (Qwen 3.5) also needs the recurrent states after the reused rows, and those exist only where
 an entry ends (decoder/recurrent_cache.py), so its entries are reused whole or not at all: a chat's next turn,
-which begins with the whole of the last one, still hits. A recurrent draft model's rows are not kept.
+which begins with the whole of the last one, still hits. A recurrent draft model's rows are not kept (a cache's
+end_state() says whether its rows are reusable in part).
 
 What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
 share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
@@ -29,7 +30,7 @@ import torch
 from specdecode.drafters.base import DrafterCaps
 from specdecode.engine.request import Request
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.recurrent_cache import HybridCache, RecurrentState
+from specdecode.models.decoder.recurrent_cache import RecurrentState
 from specdecode.spec_types import TargetOutput
 
 
@@ -91,10 +92,7 @@ class PrefixCache:
             return None
         self._entries.remove(entry)
         self._entries.append(entry)
-        if entry.recurrent is None:
-            seq.cache.fill(entry.keys[:, :, :length], entry.values[:, :, :length])
-        else:
-            seq.cache.fill(entry.keys, entry.values, entry.recurrent)
+        seq.cache.fill(entry.keys[:, :, :length], entry.values[:, :, :length], entry.recurrent)
         seq.reused_drafter_rows = {name: (keys[:, :, :length], values[:, :, :length])
                                    for name, (keys, values) in entry.drafter_rows.items()}
         hidden = {layer: entry.hidden[layer][:length] for layer in caps.hidden_layers}  # [length, H] each
@@ -121,10 +119,9 @@ class PrefixCache:
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         drafter_rows = {name: (cache.keys[:, 0, :, :rows].clone(), cache.values[:, 0, :, :rows].clone())
                         for name, cache in seq.drafter.token_caches(seq).items()
-                        if (rows := min(cache.lengths[0], length)) > 0 and not isinstance(cache, HybridCache)}
-        recurrent = seq.cache.state() if isinstance(seq.cache, HybridCache) else None
+                        if (rows := min(cache.lengths[0], length)) > 0 and cache.end_state() is None}
         new = PrefixEntry(tokens, keys.clone(), values.clone(), states.hidden, states.final_hidden, drafter_rows,
-                          recurrent)
+                          seq.cache.end_state())
         for entry in list(self._entries):
             common = _common_prefix(entry.tokens, tokens, entry.tokens.numel())
             if common == length and entry.has_states(new.hidden, new.final_hidden is not None):

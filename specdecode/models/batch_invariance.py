@@ -37,7 +37,8 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     operations work row by row) and the kernel reads their caches' dtype; else None. Their drafts then do not
     depend on what shares their forwards."""
     heads = list(head) if isinstance(head, nn.Sequential) else [head]  # a reduced head is a container of one
-    attentions = [getattr(module.block, "attn", None) or module.block.mixer for module in modules]
+    hybrid = isinstance(modules[0].block, HybridDecoderLayer)  # Qwen 3.5's: its attention is the block's mixer
+    attentions = [module.block.mixer if hybrid else module.block.attn for module in modules]
     linears = heads + [linear for module, attn in zip(modules, attentions) for linear in (
         module.proj, attn.qkv, attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
@@ -45,7 +46,7 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     if not _kernel_reads(cache_dtype, attentions[0].head_dim):
         return None
     attend = load_kernel().attend
-    if isinstance(modules[0].block, HybridDecoderLayer):  # its attention takes the kernel as an attribute
+    if hybrid:  # its attention takes the kernel as an attribute
         for attn in attentions:
             attn.attend = attend
         return modules

@@ -169,7 +169,6 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
         use_window = hf.get("use_sliding_window", arch == "mistral")
-        eos = hf.get("eos_token_id")
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -190,7 +189,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             sliding_window=hf.get("sliding_window") if use_window else None,
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            eos_token_ids=_eos_ids(hf),
             # Present until the loader finds otherwise (loader.read_config looks at the weights' names).
             mtp_layers=hf.get("num_nextn_predict_layers") or 0,
             mtp_declared=hf.get("num_nextn_predict_layers") or 0,
@@ -209,7 +208,6 @@ class ModelConfig:
         layer_types = hf.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
         mtp = hf.get("mtp_num_hidden_layers") or 0
-        eos = hf.get("eos_token_id")
         return cls(
             architecture="qwen3_5", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=num_heads,
@@ -219,7 +217,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
             qk_norm=True, bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            eos_token_ids=_eos_ids(hf),
             mtp_layers=mtp, mtp_declared=mtp, mtp_layout="qwen3_5", layer_types=tuple(layer_types),
             linear_num_key_heads=hf["linear_num_key_heads"], linear_num_value_heads=hf["linear_num_value_heads"],
             linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
@@ -309,6 +307,12 @@ _HF_CLASS = {
 def unsupported_message(name: str | None) -> str:
     why = f" ({NOT_SUPPORTED[name]})" if name in NOT_SUPPORTED else ""
     return f"unsupported architecture {name!r}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _eos_ids(hf: dict) -> tuple:
+    """config.json's eos_token_id, one id or a list of them (checked to be integers in __post_init__)."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
 def _text_config(hf: dict) -> dict:

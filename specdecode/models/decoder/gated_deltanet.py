@@ -88,20 +88,15 @@ class GatedDeltaNet(nn.Module):
         conv_state, state = cache.recurrent_state(self.index)  # [B, K-1, C], [B, Hv, dk, dv] float32
         parents = cache.row_parents
         sequential = parents is not None or new <= SEQUENTIAL_ROWS
-        if sequential:
-            windows = self._windows(mixed, conv_state, parents)  # [B, T, K, C]
-        else:
-            windows = torch.cat([conv_state.to(mixed.dtype), mixed], dim=1).unfold(1, self.kernel, 1)
-            windows = windows.transpose(2, 3)  # [B, T, K, C]
+        windows = self._windows(mixed, conv_state.to(mixed.dtype), parents)  # [B, T, K, C]
         taps = self.conv[:, 0].T  # [K, C]
         conv_out = windows[:, :, 0] * taps[0]
         for tap in range(1, self.kernel):  # tap by tap: the same sums in the same order for every row
             conv_out = conv_out + windows[:, :, tap] * taps[tap]
         q, k, v = F.silu(conv_out).split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim],
                                          dim=-1)
-        q = self._heads(q, self.key_dim)  # [B, T, Hv, dk] float32, normalised and scaled
-        k = self._heads(k, self.key_dim)
-        q = q * self.key_dim ** -0.5
+        q = self._heads(q) * self.key_dim ** -0.5  # [B, T, Hv, dk] float32, normalised and scaled
+        k = self._heads(k)  # [B, T, Hv, dk] float32, normalised
         v = v.reshape(batch, new, self.value_heads, self.value_dim).float()  # [B, T, Hv, dv]
         log_decay = -self.A_log.float().exp() * padded(F.softplus, a.float() + self.dt_bias)  # [B, T, Hv]
         beta = padded(torch.sigmoid, b).float()  # [B, T, Hv]
@@ -116,23 +111,24 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(x.dtype), z.reshape(batch, new, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(batch, new, -1))
 
-    def _heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, Hk*dk] -> [B, T, Hv, dk] float32, L2-normalised, each key head repeated for its value heads."""
         batch, new, _ = x.shape
-        x = x.reshape(batch, new, self.key_heads, dim).float()
+        x = x.reshape(batch, new, self.key_heads, self.key_dim).float()
         x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
         return x.repeat_interleave(self.value_heads // self.key_heads, dim=2)
 
     def _windows(self, mixed: torch.Tensor, conv_state: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
-        """Each row's convolution window [B, T, K, C]: its K-1 predecessors on its path, then itself."""
+        """Each row's convolution window [B, T, K, C]: its K-1 predecessors on its path, then itself (mixed
+        [B, T, C], conv_state [B, K-1, C] in mixed's dtype)."""
         if parents is None:
-            joined = torch.cat([conv_state.to(mixed.dtype), mixed], dim=1)  # [B, K-1+T, C]
+            joined = torch.cat([conv_state, mixed], dim=1)  # [B, K-1+T, C]
             return joined.unfold(1, self.kernel, 1).transpose(2, 3)
-        windows = []
-        rows = torch.arange(mixed.shape[0], device=mixed.device)
+        windows = []  # [B, K, C] per row
         for t in range(mixed.shape[1]):
-            before = conv_state.to(mixed.dtype) if t == 0 else torch.stack(windows)[parents[:, t], rows, 1:]
-            windows.append(torch.cat([before, mixed[:, t : t + 1]], dim=1))  # [B, K, C]
+            before = conv_state if t == 0 else torch.stack(
+                [windows[p][b, 1:] for b, p in enumerate(parents[:, t].tolist())])  # [B, K-1, C]
+            windows.append(torch.cat([before, mixed[:, t : t + 1]], dim=1))
         return torch.stack(windows, dim=1)
 
 
@@ -142,8 +138,7 @@ def sequential_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     """The recurrence one row at a time. q, k [B, T, H, dk]; v [B, T, H, dv]; log_decay, beta [B, T, H];
     state [B, H, dk, dv] before row 0; parents [B, T] (row 0's is -1) or None = each row's parent the one before.
     -> (out [B, T, H, dv], the states after rows keep_from.. [B, T-keep_from, H, dk, dv]), all float32."""
-    batch, new = q.shape[:2]
-    rows = torch.arange(batch, device=q.device)
+    new = q.shape[1]
     decay = padded(torch.exp, log_decay)  # [B, T, H]
     states: list[torch.Tensor] = []  # [B, H, dk, dv] after each row
     outs = []
@@ -153,7 +148,7 @@ def sequential_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
         elif parents is None:
             before = states[t - 1]
         else:
-            before = torch.stack([states[int(p)][b] for b, p in zip(rows.tolist(), parents[:, t].tolist())])
+            before = torch.stack([states[p][b] for b, p in enumerate(parents[:, t].tolist())])
         decayed = before * decay[:, t, :, None, None]  # [B, H, dk, dv]
         predicted = (decayed * k[:, t, :, :, None]).sum(-2)  # [B, H, dv]
         delta = (v[:, t] - predicted) * beta[:, t, :, None]  # [B, H, dv]

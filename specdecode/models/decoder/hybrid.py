@@ -14,23 +14,19 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCentredRMSNorm, layer_kinds
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
-from specdecode.models.decoder.mtp import MTPModule
 from specdecode.models.decoder.recurrent_cache import HybridCache
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.model_config import ModelConfig
 
 
 class HybridTransformer(Transformer):
-    def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, kind, index) for kind, index in layer_kinds(config))
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPModule(config) for _ in range(config.mtp_layers))
-        self.rope = None
-        self.rope_factors = None
+    @staticmethod
+    def build_layers(config: ModelConfig) -> nn.ModuleList:
+        return nn.ModuleList(HybridDecoderLayer(config, kind, index) for kind, index in layer_kinds(config))
+
+    @staticmethod
+    def build_norm(config: ModelConfig) -> nn.Module:
+        return ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> HybridCache:
         """`rollback_rows`: how many of its last rows the owner may roll back (recurrent_cache.py)."""

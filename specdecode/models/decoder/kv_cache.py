@@ -58,9 +58,14 @@ class KVCache:
         used = max(self.lengths) + new
         return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
 
-    def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def end_state(self) -> None:
+        """What a cache holds beyond its KV rows after the last one (a hybrid cache's recurrent states); a KV
+        cache holds nothing more, so any prefix of its rows can be reused."""
+        return None
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, end_state: None = None) -> None:
         """An empty single-sequence cache takes n rows written elsewhere for positions 0..n-1 (keys and values
-        [L, Hkv, n, D], e.g. from the prefix cache)."""
+        [L, Hkv, n, D], e.g. from the prefix cache); `end_state`: end_state() after them, none here."""
         rows = keys.shape[2]
         self.keys[:, 0, :, :rows] = keys
         self.values[:, 0, :, :rows] = values

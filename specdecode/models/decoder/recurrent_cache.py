@@ -69,6 +69,9 @@ class HybridCache(KVCache):
 
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s current states of every sequence: [B, K-1, C] and [B, Hv, dk, dv]."""
+        if self.batch_size == 1:  # views, not copies: this runs once per layer per decoded token
+            state = self.state(0)
+            return state.conv[layer].unsqueeze(0), state.ssm[layer].unsqueeze(0)
         states = [self.state(b) for b in range(self.batch_size)]
         return torch.stack([s.conv[layer] for s in states]), torch.stack([s.ssm[layer] for s in states])
 
@@ -101,7 +104,7 @@ class HybridCache(KVCache):
                 if first + r < chain:  # rows of the chain from the cached state: their lengths are known
                     states[start + first + r + 1] = row
             states[start + new] = rows[-1]
-            self._trim(b, start + new)
+            self._trim(b, start + new, len(rows))  # a batch pads its rows beyond this sequence's window
         self._pending = {}
 
     def _chain_length(self, b: int, new: int) -> int:
@@ -111,10 +114,11 @@ class HybridCache(KVCache):
         parents = self.row_parents[b].tolist()
         return next((i for i, p in enumerate(parents) if p != i - 1), new)
 
-    def _trim(self, b: int, length: int) -> None:
-        """Keep the states of at most rollback_rows lengths up to `length`, the latest first; forget later ones."""
+    def _trim(self, b: int, length: int, rows: int = 0) -> None:
+        """Keep the states of the last max(rollback_rows, rows) lengths up to `length` and the one before them;
+        forget later ones."""
         states = self._states[b]
-        keep = sorted(n for n in states if n <= length)[-self.rollback_rows - 1:]
+        keep = sorted(n for n in states if n <= length)[-max(self.rollback_rows, rows) - 1:]
         self._states[b] = {n: states[n] for n in keep}
 
     # Rollback.
@@ -134,16 +138,17 @@ class HybridCache(KVCache):
             raise SpecDecodeError("a hybrid cache keeps rows of its last forward only when it computed each row's "
                                   "state (a forward of more rows than its rollback window, or a chunked one)")
         state = last[1][rows[-1] - last[0]]
-        if rows[-1] == len(rows) - 1:
-            KVCache.truncate(self, start + len(rows), batch_index)
-        else:
-            self.compact(torch.tensor(rows, device=self.positions.device) + start, start, batch_index)
+        super().keep(start, rows, batch_index)  # a chain's truncate finds that state kept at its length
         self._states[batch_index][start + len(rows)] = state
         self._trim(batch_index, start + len(rows))
 
-    def fill(self, keys: torch.Tensor, values: torch.Tensor, state: RecurrentState | None = None) -> None:
+    def end_state(self) -> RecurrentState:
+        """The recurrent states after sequence 0's last row: a prefix of its rows is reusable only with them."""
+        return self.state(0)
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, end_state: RecurrentState | None = None) -> None:
         """As KVCache.fill, with the recurrent states after those rows (a prefix cache entry's)."""
-        if state is None:
+        if end_state is None:
             raise SpecDecodeError("a hybrid cache resumes only from saved recurrent states")
         super().fill(keys, values)
-        self._states[0] = {self.lengths[0]: state}
+        self._states[0] = {self.lengths[0]: end_state}

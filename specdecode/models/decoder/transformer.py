@@ -30,13 +30,22 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = self.build_layers(config)
+        self.norm = self.build_norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Multi-token-prediction modules the weights ship (plain decoding never runs them; drafters/mtp.py does).
         self.mtp = nn.ModuleList(MTPModule(config) for _ in range(config.mtp_layers))
         self.rope: RopeTable | None = None
         self.rope_factors: torch.Tensor | None = None
+
+    @staticmethod
+    def build_layers(config: ModelConfig) -> nn.ModuleList:
+        """The trunk's decoder layers (a hybrid trunk builds its own, decoder/hybrid.py)."""
+        return nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+
+    @staticmethod
+    def build_norm(config: ModelConfig) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
         """Once the weights (and so dtype and device) are final: tie a float output head to the embedding where

@@ -38,13 +38,7 @@ SHARED_COPIES = frozenset({"embed_tokens.weight", "lm_head.weight"})  # the targ
 def load_dflash(path: str | Path, target: Transformer, max_positions: int) -> tuple[DFlashModel, str]:
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
-    hf = read_drafter_config(folder, "a DFlash drafter")
-    layout = "speculators" if is_speculators(hf) else "z-lab"
-    if layout == "speculators":
-        hf = native_form(hf, folder)
-    if slot_convention(hf) != "dflash":
-        raise SpecDecodeError(f"{folder} holds a drafter in DeepSpec's slot convention, whose every slot drafts "
-                              "(DSpark, or DeepSpec's DFlash baseline): use --spec-type dspark")
+    hf, layout = block_drafter_config(folder, "dflash")
     config = dflash_config(hf, target.config, folder)
     model = DFlashModel(config, target.embed, target.lm_head)
     fill(model, folder, target, max_positions)
@@ -114,6 +108,27 @@ def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:
                         input_embedding_scale=float(value("input_embedding_scale", 1.0)),
                         output_multiplier=float(value("output_multiplier", 1.0)),
                         logit_softcap=float(softcap) if softcap else None)
+
+
+# Per slot convention: its home layout's name, and what a folder of the other convention is told.
+_CONVENTIONS = {
+    "dflash": ("z-lab", ("holds a drafter in DeepSpec's slot convention, whose every slot drafts (DSpark, or "
+                         "DeepSpec's DFlash baseline): use --spec-type dspark")),
+    "dspark": ("DeepSpec", "holds a DFlash drafter in z-lab's layout (slot 0 drafts nothing): use --spec-type dflash"),
+}
+
+
+def block_drafter_config(folder: Path, convention: str) -> tuple[dict, str]:
+    """A DFlash ("dflash") or DSpark ("dspark") drafter folder's config in its native form, checked to be of that
+    slot convention -> (config, the layout it was stored in: speculators' or the convention's own)."""
+    home, mismatch = _CONVENTIONS[convention]
+    hf = read_drafter_config(folder, f"a {'DFlash' if convention == 'dflash' else 'DSpark'} drafter")
+    layout = "speculators" if is_speculators(hf) else home
+    if layout == "speculators":
+        hf = native_form(hf, folder)
+    if slot_convention(hf) != convention:
+        raise SpecDecodeError(f"{folder} {mismatch}")
+    return hf, layout
 
 
 def slot_convention(hf: dict) -> str:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.transformer import Transformer
-from specdecode.models.formats.dflash import SHARED_COPIES, dflash_config, fill, published_tensors, slot_convention
-from specdecode.models.formats.drafter_folder import read_drafter_config, write_drafter_folder
-from specdecode.models.formats.speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, native_form
+from specdecode.models.formats.dflash import SHARED_COPIES, block_drafter_config, dflash_config, fill, published_tensors
+from specdecode.models.formats.drafter_folder import write_drafter_folder
+from specdecode.models.formats.speculators import VOCAB_MAPS, draft_vocabulary
 from specdecode.models.heads.dspark import MARKOV_KINDS, DSparkHeads, DSparkModel
 from specdecode.models.model_config import ModelConfig
 
@@ -30,13 +30,7 @@ HEAD_PREFIXES = ("markov_head.", "confidence_head.")
 def load_dspark(path: str | Path, target: Transformer, max_positions: int) -> tuple[DSparkModel, str]:
     """The drafter in folder `path`, checked against `target`, in its dtype and device -> (model, one line)."""
     folder = Path(path)
-    hf = read_drafter_config(folder, "a DSpark drafter")
-    layout = "speculators" if is_speculators(hf) else "DeepSpec"
-    if layout == "speculators":
-        hf = native_form(hf, folder)
-    if slot_convention(hf) != "dspark":
-        raise SpecDecodeError(f"{folder} holds a DFlash drafter in z-lab's layout (slot 0 drafts nothing): use "
-                              "--spec-type dflash")
+    hf, layout = block_drafter_config(folder, "dspark")
     config = dflash_config(hf, target.config, folder)
     heads = dspark_heads(hf, folder)
     vocabulary = draft_vocabulary(folder, target.config.vocab_size, config.layer.hidden_size)
