@@ -61,7 +61,6 @@ class KVCache:
     def end_state(self) -> None:
         """What a cache holds beyond its KV rows after the last one (a hybrid cache's recurrent states); a KV
         cache holds nothing more, so any prefix of its rows can be reused."""
-        return None
 
     def fill(self, keys: torch.Tensor, values: torch.Tensor, end_state: None = None) -> None:
         """An empty single-sequence cache takes n rows written elsewhere for positions 0..n-1 (keys and values
