@@ -187,3 +187,117 @@ def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, columns: int, s
     else:  # Q6_K: f16 d trails; int8 scales reach 127 and centred codes 32
         blocks[:, 208:210] = rng.uniform(2e-5, 1e-4, (count, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+# A Qwen 3.5 block's Hugging Face names (after "model.layers.N." or "mtp.layers.J.") -> llama.cpp's qwen35 names.
+_QWEN35_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight"}
+_QWEN35_NEXTN = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+                 "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def _tiled(weight: np.ndarray, config: dict, per_head: int, offset: int = 0, axis: int = 0) -> np.ndarray:
+    """llama.cpp's V-head reorder (grouped -> tiled): the file's head j is HF head (j % Hk) * r + j // Hk, over the
+    `per_head`-sized blocks from `offset` along `axis`."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if key_heads == value_heads:
+        return weight
+    j = np.arange(value_heads)
+    source = (j % key_heads) * (value_heads // key_heads) + j // key_heads
+    index = np.concatenate([np.arange(offset), (offset + source[:, None] * per_head + np.arange(per_head)).ravel()])
+    return np.take(weight, index, axis=axis)
+
+
+def qwen35_stored(name: str, weight: np.ndarray, config: dict) -> np.ndarray:
+    """What llama.cpp's converter stores for a Qwen 3.5 tensor: zero-centred norms as 1 + w (not the gated
+    ssm_norm), A_log as -exp(A_log), conv1d squeezed, value heads tiled."""
+    keys = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_value_head_dim"]
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        weight = _tiled(weight, config, value_dim, offset=keys)
+    elif name.endswith("in_proj_z.weight"):
+        weight = _tiled(weight, config, value_dim)
+    elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "dt_bias", "A_log")):
+        weight = _tiled(weight, config, 1)
+    elif name.endswith("out_proj.weight"):
+        weight = _tiled(weight, config, value_dim, axis=1)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return weight + 1.0
+    if name.endswith("A_log"):
+        return -np.exp(weight)
+    if name.endswith("conv1d.weight"):
+        return weight[:, 0]
+    return weight
+
+
+def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True) -> None:
+    """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35"), float32; mtp=False
+    as its --no-mtp writes (no nextn key, no MTP block)."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    trunk = config["num_hidden_layers"]
+    nextn = config.get("mtp_num_hidden_layers", 0) if mtp else 0
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(trunk + nextn)
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    rotary = int(config["head_dim"] * rope["partial_rotary_factor"])
+    writer.add_rope_dimension_count(rotary)
+    half = rotary // 2  # the multimodal rope's sections over the rotary pairs (text reads one position in all)
+    writer.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+    writer.add_ssm_inner_size(config["linear_num_value_heads"] * config["linear_value_head_dim"])
+    writer.add_uint32("qwen35.full_attention_interval", 4)
+    # The test configs' layer kinds are not every-4th: the file names them, as newer conversions do.
+    writer.add_array("qwen35.attention.recurrent_layers",
+                     [kind == "linear_attention" for kind in config["layer_types"]] + [False] * nextn)
+    tokens, types, merges = gguf_tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, weight in hf_weights(hf_folder).items():
+        if name in _GLOBAL:
+            gguf_name = _GLOBAL[name][0]
+        elif name in _QWEN35_NEXTN:
+            if not nextn:
+                continue
+            gguf_name = f"blk.{trunk}.{_QWEN35_NEXTN[name]}"
+        else:
+            _, _, block, rest = name.split(".", 3)
+            if name.startswith("mtp."):
+                if not nextn:
+                    continue
+                block = str(trunk + int(block))
+            gguf_name = f"blk.{block}.{_QWEN35_BLOCK[rest]}"
+        data = np.ascontiguousarray(qwen35_stored(name, weight.astype(np.float32), config))
+        writer.add_tensor(gguf_name, data, raw_dtype=F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -16,7 +16,6 @@ MTP_LAYOUTS = ("deepseek", "mimo", "qwen3_5")  # tensor naming and concat order,
 NOT_SUPPORTED = {"qwen3_5_moe": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented (the dense Qwen 3.5 "
                                 "models are)",
                  "qwen3_5_moe_text": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented",
-                 "qwen35": "llama.cpp's Qwen 3.5 GGUF layout is not read yet; load the Hugging Face folder",
                  "qwen35moe": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented",
                  "qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
 LAYER_TYPES = ("full_attention", "linear_attention")

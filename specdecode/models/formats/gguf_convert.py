@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats import gguf_qwen35
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.model_config import ModelConfig, unsupported_message
 from specdecode.models.tokenizer import END_OF_TURN_TOKENS
@@ -92,13 +93,15 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
 
 def _config_from_gguf(reader, path: Path) -> ModelConfig:
     gguf_arch = field_value(reader, "general.architecture")
-    if gguf_arch not in _GGUF_ARCHITECTURES:
+    if gguf_arch not in _GGUF_ARCHITECTURES and gguf_arch != gguf_qwen35.ARCHITECTURE:
         raise SpecDecodeError(f"{path}: {unsupported_message(gguf_arch)}")
 
     def meta(key, default=None):
         return field_value(reader, f"{gguf_arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
+    if gguf_arch == gguf_qwen35.ARCHITECTURE:
+        return gguf_qwen35.qwen35_config(meta, tensors, path)
     hidden = int(meta("embedding_length"))
     # llama.cpp counts the MTP blocks in block_count; the trunk is the blocks before them.
     nextn = int(meta("nextn_predict_layers", 0))
@@ -132,6 +135,13 @@ def _config_from_gguf(reader, path: Path) -> ModelConfig:
         mtp_layers=mtp_present,
         mtp_declared=nextn,
     )
+
+
+def hf_namer(reader, config: ModelConfig):
+    """The file's tensor name -> its Hugging Face name, for this file's layout."""
+    if field_value(reader, "general.architecture") == gguf_qwen35.ARCHITECTURE:
+        return lambda name: gguf_qwen35.qwen35_hf_name(name, config.num_layers)
+    return hf_name
 
 
 def hf_name(gguf_name: str) -> str:
@@ -188,9 +198,21 @@ def permuted_heads(name: str, config: ModelConfig, permute: bool) -> int | None:
 
 def to_hf_rows(name: str, tensor: torch.Tensor, config: ModelConfig, permute: bool) -> torch.Tensor:
     """A tensor (weight, bias, or per-row int4 codes/scales) under Hugging Face `name`, with q/k rows back in
-    Hugging Face order when the file is a llama-architecture one (`permute`)."""
+    Hugging Face order when the file is a llama-architecture one (`permute`), or a qwen35 file's value heads
+    (gguf_qwen35.py)."""
+    if config.is_hybrid:
+        rows = gguf_qwen35.value_rows(name, config)
+        return tensor if rows is None else tensor[rows]
     heads = permuted_heads(name, config, permute)
     return tensor if heads is None else unpermute_llama_qk(tensor, heads)
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, permute: bool) -> torch.Tensor:
+    """A whole tensor as the file stores it -> Hugging Face's values (a qwen35 file's norms, A_log, convolution
+    and value-head order; a llama file's q/k rows)."""
+    if config.is_hybrid:
+        return gguf_qwen35.to_hf_values(name, tensor, config)
+    return to_hf_rows(name, tensor, config, permute)
 
 
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = False) -> Path:
@@ -199,9 +221,10 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
     config = config_from_gguf(reader, path)
     state: dict[str, torch.Tensor] = {}
     permute = field_value(reader, "general.architecture") == "llama"
+    names = hf_namer(reader, config)
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", disable=quiet):
-        name = hf_name(tensor.name)
-        weight = to_hf_rows(name, torch.from_numpy(dequantize_tensor(tensor)), config, permute)
+        name = names(tensor.name)
+        weight = to_hf_tensor(name, torch.from_numpy(dequantize_tensor(tensor)), config, permute)
         state[name] = weight if name == "rope_freqs" else weight.to(dtype)
 
     def write(staging: Path) -> None:

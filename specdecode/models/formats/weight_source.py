@@ -16,14 +16,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats import gguf_qwen35
 from specdecode.models.formats.gguf_convert import (
     config_from_gguf,
     dequantize_tensor,
     field_value,
-    hf_name,
+    hf_namer,
     open_gguf,
     permuted_heads,
-    unpermute_llama_qk,
+    to_hf_rows,
+    to_hf_tensor,
 )
 from specdecode.models.formats.gguf_int4 import q4_k_groups
 from specdecode.models.formats.hybrid_names import VISION_PREFIX, hybrid_mtp_names, hybrid_shapes, hybrid_sources
@@ -222,7 +224,8 @@ class GGUFWeights:
     def __init__(self, path: Path):
         self.reader = open_gguf(path)
         self.config = config_from_gguf(self.reader, path)
-        self._tensors = {hf_name(t.name).removeprefix("model."): t for t in self.reader.tensors}
+        names = hf_namer(self.reader, self.config)
+        self._tensors = {names(t.name).removeprefix("model."): t for t in self.reader.tensors}
         self._permute = field_value(self.reader, "general.architecture") == "llama"
         # The vocabulary's arrays are never read from here (transformers builds the tokenizer from the file), and
         # parsed they hold a third of a GiB of small numpy objects for Qwen2.5's 151k tokens.
@@ -234,30 +237,38 @@ class GGUFWeights:
         return set(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims innermost first
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims innermost first
+        return gguf_qwen35.hf_shape(name, shape) if self.config.is_hybrid else shape
 
     def get(self, name: str, rows: slice = ALL_ROWS) -> torch.Tensor:
         """The tensor, or its rows `rows`, in float32 in PyTorch's [out, in] layout, q/k rows back in Hugging
         Face order."""
         tensor = self._tensors[name]
-        heads = permuted_heads(name, self.config, self._permute)
-        if heads is None:
+        if not self._converted(name):
             return torch.from_numpy(dequantize_tensor(tensor, rows))
-        # llama q/k rows are interleaved within each head, so they are read whole; they are among the smallest
-        return unpermute_llama_qk(torch.from_numpy(dequantize_tensor(tensor)), heads)[rows]
+        # Reordered or re-valued tensors (llama q/k rows, a qwen35 file's value heads and norms) are read whole;
+        # they are among the smallest
+        return to_hf_tensor(name, torch.from_numpy(dequantize_tensor(tensor)), self.config, self._permute)[rows]
+
+    def _converted(self, name: str) -> bool:
+        """Whether the file stores tensor `name` otherwise than Hugging Face does."""
+        if self.config.is_hybrid:
+            return gguf_qwen35.transforms(name, self.config)
+        return permuted_heads(name, self.config, self._permute) is not None
 
     def is_q4_k(self, name: str) -> bool:
         from gguf import GGMLQuantizationType
 
-        return self._tensors[name].tensor_type == GGMLQuantizationType.Q4_K
+        # Columns moved in blocks of value heads would split the file's groups: such a tensor is requantized.
+        moved_columns = self.config.is_hybrid and gguf_qwen35.is_reordered_by_columns(name, self.config)
+        return self._tensors[name].tensor_type == GGMLQuantizationType.Q4_K and not moved_columns
 
     def q4_k(self, name: str, rows: slice = ALL_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A Q4_K tensor's (or its rows') exact int4 groups: codes [N, K], scales and zeros [N, K/32]."""
         tensor = self._tensors[name]
-        heads = permuted_heads(name, self.config, self._permute)
-        if heads is None:
+        if not self._converted(name):
             return q4_k_groups(tensor, rows)
-        return tuple(unpermute_llama_qk(part, heads)[rows] for part in q4_k_groups(tensor))
+        return tuple(to_hf_rows(name, part, self.config, self._permute)[rows] for part in q4_k_groups(tensor))
 
 
 def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:

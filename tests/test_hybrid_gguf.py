@@ -1,0 +1,58 @@
+"""Qwen 3.5 from a GGUF file in llama.cpp's qwen35 layout (gguf_qwen35.py): the same model as its Hugging Face folder,
+with and without the MTP module, in float and on the w4a8 kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, save_tiny_model
+from gguf_files import write_qwen35_gguf
+from hybrid_reference import add_hybrid_mtp
+
+from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
+from specdecode.models.loader import load_model
+from specdecode.models.survey import survey
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35")
+    return add_hybrid_mtp(save_tiny_model(root / "hf", "qwen3_5", scale=0.15), follow=1.0) and root / "hf"
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids, torch.arange(ids.shape[1]).unsqueeze(0), model.new_cache(ids.shape[1])).logits
+
+
+IDS = torch.randint(0, TINY_VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("mtp", [True, False], ids=["with-nextn", "no-mtp"])
+def test_a_qwen35_gguf_is_the_model_its_folder_is(folder, tmp_path, mtp):
+    path = tmp_path / "m.gguf"
+    write_qwen35_gguf(path, folder, mtp=mtp)
+    facts = survey(path)
+    assert facts.runs and facts.mtp_present == (1 if mtp else 0)
+    ours = load_model(path, dtype="float32", quant="none").model
+    expected = load_model(folder, dtype="float32").model
+    assert ours.config.layer_types == expected.config.layer_types and ours.config.mtp_layers == (1 if mtp else 0)
+    # 1 + w and -exp(A_log) round in float32 on the way in and out: not bitwise, within float32's rounding
+    assert torch.allclose(logits(ours, IDS), logits(expected, IDS), atol=1e-5, rtol=1e-5)
+    if mtp:
+        for name, value in expected.mtp.state_dict().items():
+            assert torch.allclose(ours.mtp.state_dict()[name], value, atol=1e-6), name
+
+
+def test_a_qwen35_gguf_quantizes_to_the_same_w4a8_model_as_its_folder(folder, tmp_path):
+    """Value heads reordered back before quantizing: the same groups, so the same codes and bitwise the same
+    logits. (A tiny random hybrid's w4a8 logits are far from its float ones: its gated norm rescales per-head
+    outputs near zero, amplifying 4-bit noise; the comparison that means something is this one.)"""
+    reason = w4a8_unavailable()
+    if reason is not None:
+        pytest.skip(f"w4a8 cannot run on this machine: {reason}")
+    path = tmp_path / "m.gguf"
+    write_qwen35_gguf(path, folder)
+    from_gguf = logits(load_model(path, dtype="bfloat16", quant="w4a8").model, IDS)
+    from_folder = logits(load_model(folder, dtype="bfloat16", quant="w4a8").model, IDS)
+    assert torch.isfinite(from_gguf).all() and torch.equal(from_gguf, from_folder)
