@@ -76,7 +76,7 @@ def test_chunked_and_sequential_forms_agree():
     out, states = sequential_delta_rule(q, k, v, log_decay, beta, state, None)
     for chunk in (1, 7, 64, 200):
         chunked, final = chunked_delta_rule(q, k, v, log_decay, beta, state, chunk)
-        assert torch.allclose(chunked, out, atol=1e-4) and torch.allclose(final, states[:, -1], atol=1e-4)
+        assert torch.allclose(chunked, out, atol=1e-4) and torch.allclose(final, states[-1], atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +222,24 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(tmp_path):
     ours = (logits["bfloat16"] - logits["float32"]).abs().max()
     theirs = (logits["reference bfloat16"] - logits["reference float32"]).abs().max()
     assert torch.isfinite(logits["bfloat16"]).all() and ours <= 2 * theirs
+
+
+def test_a_qwen35_draft_model_drafts_chains_for_a_qwen35_target(tmp_path):
+    """Both recurrent: the draft rolls its own states back to the committed tokens after every proposal (its
+    window covers a proposal and its catch-up); greedy output stays the target's. Its trees are refused."""
+    from specdecode import Engine, SamplingParams, SpecConfig
+
+    target = load_model(save_tiny_model(tmp_path / "t", "qwen3_5", scale=0.15), dtype="float32")
+    draft = load_model(save_tiny_model(tmp_path / "d", "qwen3_5", scale=0.15, noise=0.01), dtype="float32")
+    engine = Engine(target, draft)
+    sampling = SamplingParams(max_tokens=32, ignore_eos=True)
+    drafted = accepted = 0
+    for prompt in ("hello hello hello", "1 2 3 1 2 3 1 2"):
+        plain = engine.complete(prompt, sampling, SpecConfig("none")).token_ids
+        for k in (1, 4):
+            result = engine.complete(prompt, sampling, SpecConfig("draft", num_draft_tokens=k))
+            assert result.token_ids == plain
+            drafted, accepted = drafted + result.stats.drafted_tokens, accepted + result.stats.accepted_tokens
+    assert 0 < accepted < drafted
+    with pytest.raises(SpecDecodeError, match="drafts chains"):
+        engine.complete("hello", sampling, SpecConfig("draft", options={"draft_tree_nodes": 8}))

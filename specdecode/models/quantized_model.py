@@ -18,8 +18,6 @@ Which format each linear layer gets:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -37,14 +35,12 @@ from specdecode.models.formats.default_models import cache_dir
 from specdecode.models.formats.gguf_int4 import Q4_K_GROUP
 from specdecode.models.formats.safetensors_read import read_tensors
 from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, row_blocks, stacked_as
+from specdecode.models.heap import free_large_blocks_promptly
 from specdecode.models.kernels.quantize_module import quantized_from_rows
 from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear
 from specdecode.models.kernels.w4a8_decoder import fuse_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 from specdecode.models.model_config import ModelConfig
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-_MMAP_FROM_BYTES = 4 << 20
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-3"
@@ -77,7 +73,7 @@ def load_quantized(source: FolderWeights | GGUFWeights | None, config: ModelConf
 def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, where: Path, dtype: torch.dtype,
                     quant: str, group_size: int, quiet: bool = False) -> Transformer:
     sources = matching_sources(source, where, config)
-    _free_large_blocks_promptly()
+    free_large_blocks_promptly()
     with torch.device("meta"):
         model = build_model(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
@@ -93,17 +89,6 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     fuse_layers(model)
     model.finish_loading(rope_factors)
     return model.eval()
-
-
-def _free_large_blocks_promptly() -> None:
-    """glibc raises its mmap threshold (up to 32 MB) each time a mapped block is freed, after which blocks of
-    rows of that size come from the heap, which keeps them once freed: 1.2 GiB more anonymous memory at the
-    peak of the 1.5B's build. A fixed threshold keeps every block of 4 MB or more mapped, so freeing it returns
-    it to the system. Other C libraries lack mallopt and keep their own behaviour."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES)
 
 
 def quantized_layer(source: FolderWeights | GGUFWeights, names: list[str], bias: torch.Tensor | None, quant: str,

@@ -106,7 +106,7 @@ class GatedDeltaNet(nn.Module):
             conv_rows = windows[:, keep_from:, 1:]  # [B, T', K-1, C] each kept row's convolution state
         else:
             out, final = chunked_delta_rule(q, k, v, log_decay, beta, state)
-            states, conv_rows = final.unsqueeze(1), windows[:, -1:, 1:]  # the last row's only
+            states, conv_rows = [final], windows[:, -1:, 1:]  # the last row's only
         cache.write_recurrent(self.index, conv_rows, states, every_row=sequential)
         out = self.norm(out.to(x.dtype), z.reshape(batch, new, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(batch, new, -1))
@@ -137,7 +137,8 @@ def sequential_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
                           keep_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence one row at a time. q, k [B, T, H, dk]; v [B, T, H, dv]; log_decay, beta [B, T, H];
     state [B, H, dk, dv] before row 0; parents [B, T] (row 0's is -1) or None = each row's parent the one before.
-    -> (out [B, T, H, dv], the states after rows keep_from.. [B, T-keep_from, H, dk, dv]), all float32."""
+    -> (out [B, T, H, dv], the states after rows keep_from.. ([B, H, dk, dv] each, as computed: kept, not
+    copied)), all float32."""
     new = q.shape[1]
     decay = padded(torch.exp, log_decay)  # [B, T, H]
     states: list[torch.Tensor] = []  # [B, H, dk, dv] after each row
@@ -155,7 +156,7 @@ def sequential_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
         after = decayed + k[:, t, :, :, None] * delta[:, :, None, :]  # [B, H, dk, dv]
         outs.append((after * q[:, t, :, :, None]).sum(-2))  # [B, H, dv]
         states.append(after)
-    return torch.stack(outs, dim=1), torch.stack(states[keep_from:], dim=1)
+    return torch.stack(outs, dim=1), states[keep_from:]
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -16,6 +16,7 @@ from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCent
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.recurrent_cache import HybridCache
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.heap import keep_freed_heap
 from specdecode.models.model_config import ModelConfig
 
 
@@ -64,4 +65,7 @@ def tree_parents(mask: torch.Tensor, new: int) -> torch.Tensor:
 
 def build_model(config: ModelConfig) -> Transformer:
     """The trunk a config describes, its weights not loaded (call under torch.device("meta") to allocate none)."""
-    return HybridTransformer(config) if config.is_hybrid else Transformer(config)
+    if not config.is_hybrid:
+        return Transformer(config)
+    keep_freed_heap()  # its per-row states are freed and allocated again every step (heap.py)
+    return HybridTransformer(config)

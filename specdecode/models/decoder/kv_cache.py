@@ -193,6 +193,7 @@ class CacheBatch:
     def rows_kept_from(self, new: int) -> int:
         return min(cache.rows_kept_from(new) for cache in self.caches)
 
-    def write_recurrent(self, layer: int, conv_rows: torch.Tensor, ssm_rows: torch.Tensor, every_row: bool) -> None:
+    def write_recurrent(self, layer: int, conv_rows: torch.Tensor, ssm_rows: list[torch.Tensor],
+                        every_row: bool) -> None:
         for b, cache in enumerate(self.caches):
-            cache.write_recurrent(layer, conv_rows[b : b + 1], ssm_rows[b : b + 1], every_row)
+            cache.write_recurrent(layer, conv_rows[b : b + 1], [rows[b : b + 1] for rows in ssm_rows], every_row)

@@ -79,8 +79,9 @@ class HybridCache(KVCache):
         """The first of `new` rows whose states will be kept (a tree's every row: they are each other's parents)."""
         return 0 if self.row_parents is not None else max(0, new - self.rollback_rows)
 
-    def write_recurrent(self, layer: int, conv_rows: torch.Tensor, ssm_rows: torch.Tensor, every_row: bool) -> None:
-        """The states after the forward's rows (from rows_kept_from on), [B, T', K-1, C] and [B, T', Hv, dk, dv];
+    def write_recurrent(self, layer: int, conv_rows: torch.Tensor, ssm_rows: list[torch.Tensor],
+                        every_row: bool) -> None:
+        """The states after the forward's rows (from rows_kept_from on), [B, T', K-1, C] and T' of [B, Hv, dk, dv];
         `every_row` False when only the last row's came out (the chunked form)."""
         self._pending[layer] = (conv_rows, ssm_rows, every_row)
 
@@ -92,9 +93,9 @@ class HybridCache(KVCache):
 
     def _take_rows(self, new: int) -> None:
         layers = range(len(self._pending))
-        kept = self._pending[0][1].shape[1]
+        kept = len(self._pending[0][1])
         for b, start in enumerate(self.lengths):
-            rows = [RecurrentState([self._pending[i][0][b, r] for i in layers], [self._pending[i][1][b, r] for i in layers])
+            rows = [RecurrentState([self._pending[i][0][b, r] for i in layers], [self._pending[i][1][r][b] for i in layers])
                     for r in range(kept)]
             first = new - kept
             self._rows[b] = (first, rows) if self._pending[0][2] else None
