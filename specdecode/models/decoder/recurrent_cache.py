@@ -51,7 +51,9 @@ class HybridCache(KVCache):
         # Per sequence: the last forward's kept rows (first row index, states), for keep() of a tree path.
         self._rows: list[tuple[int, list[RecurrentState]] | None] = [None] * batch_size
         self.row_parents: torch.Tensor | None = None  # [B, T] during a forward (recurrent layers read it)
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # layer -> rows being written
+        # layer -> the rows being written: conv states [B, T', K-1, C], T' recurrent states [B, Hv, dk, dv], and
+        # whether every row's came out
+        self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor], bool]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +141,7 @@ class HybridCache(KVCache):
             raise SpecDecodeError("a hybrid cache keeps rows of its last forward only when it computed each row's "
                                   "state (a forward of more rows than its rollback window, or a chunked one)")
         state = last[1][rows[-1] - last[0]]
+        self._rows[batch_index] = None  # the rejected rows' states go now, not at the next forward
         super().keep(start, rows, batch_index)  # a chain's truncate finds that state kept at its length
         self._states[batch_index][start + len(rows)] = state
         self._trim(batch_index, start + len(rows))
