@@ -58,6 +58,13 @@ def test_a_greedy_rule_that_accepts_every_draft_is_caught(models, capsys, monkey
     code, report = run_check(models, capsys, "ngram", trials=0)
     assert code == 1 and not report["passed"]
     assert any(case["first_difference"] is not None for case in report["greedy"])
+    # Where it differs, plain decoding's margin there says whether rounding could explain it (here it cannot:
+    # a float32 target's forward on the CPU is batch-invariant, and the rule accepted wrong tokens).
+    assert report["batch_invariant"] is True
+    for case in report["greedy"]:
+        assert (case["logit_gap"] is None) == (case["first_difference"] is None or
+                                                case["first_difference"] >= case["tokens"])
+        assert case["logit_gap"] is None or case["logit_gap"] >= 0
 
 
 @pytest.mark.parametrize("rule", ["block", "token"])

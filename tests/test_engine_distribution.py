@@ -56,10 +56,11 @@ def small_vocab_pair(tmp_path_factory):
 def exact_laws(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """-> joint p(t1, t2) [V, V] and marginal p(t3) [V], from the target's logits through the shared transform."""
     def next_probs(ids: list[int]) -> torch.Tensor:
+        device = model.device
         with torch.inference_mode():
-            logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0),
+            logits = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device).unsqueeze(0),
                            model.new_cache(len(ids))).logits[0, -1]  # [V]
-        return logits_to_probs(logits, params)
+        return logits_to_probs(logits, params).cpu()
 
     first = next_probs(PROMPT)  # [V]
     joint = torch.zeros(VOCAB, VOCAB)  # [V, V]

@@ -33,6 +33,10 @@ class IdentityCase:
     first_difference: int | None  # the first output position where the two differ; None = identical
     drafted: int
     accepted: int
+    # At the first difference: plain decoding's gap between its two likeliest tokens' logits there. A gap within
+    # rounding says a forward of several rows rounded differently from one row (a target that is not
+    # batch-invariant); a wide gap says a token was lost.
+    logit_gap: float | None = None
 
     @property
     def identical(self) -> bool:
@@ -61,9 +65,16 @@ def greedy_identity(engine: Engine, prompts: list[str], spec: SpecConfig, max_to
         ours = result.token_ids
         differs = [i for i, (a, b) in enumerate(zip(plain, ours)) if a != b]
         first = differs[0] if differs else (None if len(plain) == len(ours) else min(len(plain), len(ours)))
+        gap = None if first is None or first >= len(plain) else _logit_gap(engine, engine.encode(prompt) + plain[:first])
         cases.append(IdentityCase(prompt, len(plain), first, result.stats.drafted_tokens,
-                                  result.stats.accepted_tokens))
+                                  result.stats.accepted_tokens, gap))
     return cases
+
+
+def _logit_gap(engine: Engine, ids: list[int]) -> float:
+    """The target's top logit minus its second after `ids`, read in one forward."""
+    top = _last_logits(engine, ids).float().topk(2).values  # [2]
+    return float(top[0] - top[1])
 
 
 def sampled_distribution(engine: Engine, prompt: str, spec: SpecConfig, sampling: SamplingParams, trials: int,
@@ -104,9 +115,14 @@ def _pair_law(engine: Engine, context: list[int], sampling: SamplingParams):
 
 
 def _next_probs(engine: Engine, ids: list[int], sampling: SamplingParams) -> torch.Tensor:
+    return logits_to_probs(_last_logits(engine, ids), sampling).double().cpu()  # [V]
+
+
+def _last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The target's logits for the token after `ids` [V], from one forward over them."""
     model = engine.target.model
     with torch.inference_mode():
         tokens = torch.tensor([ids], device=model.device)  # [1, T]
         positions = torch.arange(len(ids), device=model.device).unsqueeze(0)  # [1, T]
         logits = model(tokens, positions, model.new_cache(len(ids)), logits_at=slice(-1, None)).logits  # [1, 1, V]
-    return logits_to_probs(logits[0, -1], sampling).double().cpu()  # [V]
+    return logits[0, -1]

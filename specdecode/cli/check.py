@@ -11,6 +11,15 @@ from specdecode.cli.options import add_model_args, add_spec_args, build_engine, 
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 
+INVARIANCE = {
+    True: "batch-invariant here: a token's logits are bitwise the same in a forward of one row or many",
+    False: "not batch-invariant here (a float target on CUDA, or on a CPU without the fixed-order layers): a "
+           "forward of several rows may round a token's logits differently from one row, so greedy output can "
+           "differ from plain decoding where its two likeliest tokens are nearly tied",
+}
+NEAR_TIE_GAP = 0.05  # logits; bf16 rounding of logits of order 10 is about 0.03
+NEAR_TIE = ": a near-tie, which rounding alone can flip on this target"
+
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Repeat this line three times: the quick brown fox jumps over the lazy dog.",
@@ -42,6 +51,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdecode.bench.check import greedy_identity, sampled_distribution
+    from specdecode.models.batch_invariance import batch_invariant
 
     if args.max_tokens < 1 or args.trials < 0:
         raise SpecDecodeError("--max-tokens must be >= 1 and --trials >= 0")
@@ -57,15 +67,21 @@ def run(args: argparse.Namespace) -> int:
     spec = engine.spec  # auto as the members it found
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
 
-    say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts")
+    invariant = batch_invariant(engine.target.model)
+    say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts; the "
+        f"target's forward is {INVARIANCE[invariant]}")
     cases = greedy_identity(engine, args.prompts or DEFAULT_PROMPTS, spec, args.max_tokens)
     for case in cases:
         verdict = "identical" if case.identical else f"DIFFERS from token {case.first_difference}"
         say(f"  {verdict:24} {case.tokens:4} tokens, {case.accepted}/{case.drafted} drafts accepted  "
             f"{case.prompt[:48]!r}")
+        if case.logit_gap is not None:
+            say(f"    plain decoding's two likeliest tokens there differ by {case.logit_gap:.3g} in logit"
+                f"{NEAR_TIE if case.logit_gap < NEAR_TIE_GAP and not invariant else ''}")
     greedy_ok = all(case.identical for case in cases)
 
-    report = {"method": spec.method, "options": dict(spec.options), "greedy": [vars(c) for c in cases]}
+    report = {"method": spec.method, "options": dict(spec.options), "batch_invariant": invariant,
+              "greedy": [vars(c) for c in cases]}
     sampling_ok = True
     if args.trials:
         say(f"sampling: {args.trials} runs at temperature {sampling.temperature}, top-k {sampling.top_k}, "
