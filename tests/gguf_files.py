@@ -77,13 +77,14 @@ def hf_weights(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of the folder's safetensors files (MTP layers may sit in a second one)."""
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="np") as handle:
-            weights.update({key: handle.get_tensor(key) for key in handle.keys()})
+        with safe_open(str(file), framework="pt") as handle:  # numpy has no bfloat16
+            weights.update({key: handle.get_tensor(key).float().numpy() for key in handle.keys()})
     return weights
 
 
-def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
-    """The conftest byte vocabulary (same ids) plus two merges, padded to the embedding size like Qwen's files."""
+def gguf_tokens(size: int = TINY_VOCAB) -> tuple[list[str], list[int], list[str]]:
+    """The conftest byte vocabulary (same ids) plus two merges, padded to the embedding's `size` like Qwen's
+    files."""
     vocab = byte_tokenizer().get_vocab()
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     types = [int(gguf.TokenType.CONTROL if token.startswith("<|") else gguf.TokenType.NORMAL) for token in tokens]
@@ -91,7 +92,7 @@ def gguf_tokens() -> tuple[list[str], list[int], list[str]]:
     for merged in ("Ġt", "he"):
         tokens.append(merged)
         types.append(int(gguf.TokenType.NORMAL))
-    while len(tokens) < TINY_VOCAB:
+    while len(tokens) < size:
         tokens.append(f"[PAD{len(tokens)}]")
         types.append(int(gguf.TokenType.UNUSED))
     return tokens, types, merges
@@ -239,9 +240,10 @@ def qwen35_stored(name: str, weight: np.ndarray, config: dict) -> np.ndarray:
     return weight
 
 
-def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True) -> None:
-    """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35"), float32; mtp=False
-    as its --no-mtp writes (no nextn key, no MTP block)."""
+def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F32) -> None:
+    """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35"), float32, or its
+    matrices in `matrices` (F16 for a file llama-quantize takes); mtp=False as its --no-mtp writes (no nextn
+    key, no MTP block)."""
     config = json.loads((hf_folder / "config.json").read_text())
     trunk = config["num_hidden_layers"]
     nextn = config.get("mtp_num_hidden_layers", 0) if mtp else 0
@@ -268,11 +270,13 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True) -> None:
     writer.add_ssm_group_count(config["linear_num_key_heads"])
     writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
     writer.add_ssm_inner_size(config["linear_num_value_heads"] * config["linear_value_head_dim"])
-    writer.add_uint32("qwen35.full_attention_interval", 4)
+    interval = config.get("full_attention_interval", 4)
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                          for i in range(trunk)]
+    writer.add_uint32("qwen35.full_attention_interval", interval)
     # The test configs' layer kinds are not every-4th: the file names them, as newer conversions do.
-    writer.add_array("qwen35.attention.recurrent_layers",
-                     [kind == "linear_attention" for kind in config["layer_types"]] + [False] * nextn)
-    tokens, types, merges = gguf_tokens()
+    writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear_attention" for kind in kinds] + [False] * nextn)
+    tokens, types, merges = gguf_tokens(config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen35")
     writer.add_token_list(tokens)
@@ -296,7 +300,10 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True) -> None:
                 block = str(trunk + int(block))
             gguf_name = f"blk.{block}.{_QWEN35_BLOCK[rest]}"
         data = np.ascontiguousarray(qwen35_stored(name, weight.astype(np.float32), config))
-        writer.add_tensor(gguf_name, data, raw_dtype=F32)
+        if data.ndim == 2 and matrices == F16 and not gguf_name.endswith("conv1d.weight"):
+            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
+        else:
+            writer.add_tensor(gguf_name, data, raw_dtype=F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -79,6 +79,46 @@ def test_chunked_and_sequential_forms_agree():
         assert torch.allclose(chunked, out, atol=1e-4) and torch.allclose(final, states[-1], atol=1e-4)
 
 
+def test_the_compiled_recurrence_matches_the_pytorch_form_and_gives_each_row_the_same_bits_however_called():
+    from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
+
+    if (reason := w4a8_unavailable()) is not None:
+        pytest.skip(f"the compiled kernels cannot run here: {reason}")
+    fused = load_kernel().delta_rule
+    generator = torch.Generator().manual_seed(1)
+    batch, rows, heads, key_dim, value_dim = 2, 9, 3, 16, 24
+    q = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
+    v = torch.randn(batch, rows, heads, value_dim, generator=generator)
+    log_decay = -torch.rand(batch, rows, heads, generator=generator)
+    beta = torch.rand(batch, rows, heads, generator=generator)
+    state = torch.randn(batch, heads, key_dim, value_dim, generator=generator)
+    tree = torch.tensor([[-1, 0, 0, 1, 2, 4, 3, 6, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7]])
+    for parents in (None, tree):
+        expected, expected_states = sequential_delta_rule(q, k, v, log_decay, beta, state, parents, 2)
+        out, states = fused(q, k, v, log_decay.exp(), beta, state, parents, 2)
+        assert torch.allclose(out, expected, atol=1e-5) and len(states) == rows - 2
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(states, expected_states))
+    # A chain's rows one call at a time, each from the state the call before left: bitwise the rows of one call.
+    out, states = fused(q, k, v, log_decay.exp(), beta, state, None, 0)
+    before = state
+    for t in range(rows):
+        one, (after,) = fused(*(x[:, t : t + 1] for x in (q, k, v, log_decay.exp(), beta)), before, None, 0)
+        assert torch.equal(one[:, 0], out[:, t]) and torch.equal(after, states[t])
+        before = after
+    with pytest.raises(RuntimeError, match="earlier row"):
+        fused(q, k, v, log_decay.exp(), beta, state, tree.flip(1), 0)
+
+
+def test_a_hybrid_model_decodes_through_the_compiled_recurrence_where_it_runs(hybrid_model):
+    from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
+
+    if (reason := w4a8_unavailable()) is not None:
+        pytest.skip(f"the compiled kernels cannot run here: {reason}")
+    recurrent = [layer.mixer for layer in hybrid_model.layers if layer.kind == "linear_attention"]
+    assert recurrent and all(mixer.fused_rule is not None for mixer in recurrent)
+
+
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
     return load_model(hybrid_folder(tmp_path_factory.mktemp("hybrid"), "one-full-in-four"), dtype="float32").model
@@ -243,3 +283,33 @@ def test_a_qwen35_draft_model_drafts_chains_for_a_qwen35_target(tmp_path):
     assert 0 < accepted < drafted
     with pytest.raises(SpecDecodeError, match="drafts chains"):
         engine.complete("hello", sampling, SpecConfig("draft", options={"draft_tree_nodes": 8}))
+
+
+def test_a_requests_admitted_size_bounds_the_states_its_verify_forwards_hold(tmp_path, monkeypatch):
+    """A server admits requests by Engine.request_cache_bytes: for a hybrid target it must count the recurrent
+    states kept for each row of a verify forward (a tree's every node), which is where its memory peaks."""
+    from specdecode import Engine, SamplingParams, SpecConfig
+    from specdecode.models.decoder.recurrent_cache import HybridCache
+
+    engine = Engine(load_model(save_tiny_model(tmp_path / "t", "qwen3_5", scale=0.3), dtype="float32"),
+                    load_model(save_tiny_model(tmp_path / "d", "qwen2", scale=0.3), dtype="float32"))
+    held = []  # the cache's bytes just before each rollback: every verified row's states still held
+    keep = HybridCache.keep
+
+    def recording(cache, start, rows, batch_index=0):
+        held.append(cache.nbytes)
+        return keep(cache, start, rows, batch_index)
+
+    monkeypatch.setattr(HybridCache, "keep", recording)
+    sampling, prompt = SamplingParams(max_tokens=24, ignore_eos=True), "1 2 3 1 2 3 1 2 3 1 2"
+    sizes = {}
+    for name, spec in {"plain": SpecConfig("none"), "chain": SpecConfig("draft", num_draft_tokens=6, guard=False),
+                       "tree": SpecConfig("draft", num_draft_tokens=4, guard=False,
+                                          options={"draft_tree_nodes": 16})}.items():
+        held.clear()
+        admitted = engine.request_cache_bytes(len(engine.encode(prompt)), sampling, spec)
+        result = engine.complete(prompt, sampling, spec)
+        assert spec.method == "none" or result.stats.drafted_tokens > 0
+        assert held == [] or max(held) <= admitted, name
+        sizes[name] = admitted
+    assert sizes["plain"] < sizes["chain"] < sizes["tree"]

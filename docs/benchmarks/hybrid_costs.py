@@ -1,6 +1,7 @@
 """What a Qwen 3.5 (hybrid) target's shape costs here, on random weights (no Qwen 3.5 weights can be had offline):
 plain decoding, the verify forward by rows, the cost of keeping each verified row's recurrent state, and of the
-rollback itself, all in one run.
+rollback itself, all in one run; and the recurrence alone under the two ways to roll back (every row's state
+kept, or the last kept and the accepted rows recomputed after a rejection).
 
     python docs/benchmarks/hybrid_costs.py --shape 0.8b --quant w4a8 --out docs/benchmarks/2026-12-04-hybrid
 
@@ -84,6 +85,38 @@ def timed(model, prompt: torch.Tensor, rows: int, window: int, rounds: int) -> t
     return statistics.median(forwards), statistics.median(rollbacks) if rollbacks else float("nan")
 
 
+def recurrence_strategies(model, rows: int, rounds: int) -> dict:
+    """The two ways to roll a recurrent state back, their recurrence alone (every Gated DeltaNet layer of the
+    model, the compiled kernel): keeping each verified row's state during the forward (what the cache does), or
+    keeping only the last and recomputing the accepted rows' recurrence after a rejection (here half of them)
+    from the state before the forward. Median seconds per verify step of `rows` rows -> {keep, recompute}."""
+    from specdecode.models.kernels.w4a8_linear import load_kernel
+
+    fused = load_kernel().delta_rule
+    mixers = [layer.mixer for layer in model.layers if layer.kind == "linear_attention"]
+    heads, key_dim, value_dim = mixers[0].value_heads, mixers[0].key_dim, mixers[0].value_dim
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, rows, heads, key_dim, generator=generator), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, rows, heads, value_dim, generator=generator)
+    decay, beta = torch.rand(1, rows, heads, generator=generator), torch.rand(1, rows, heads, generator=generator)
+    states = [torch.randn(1, heads, key_dim, value_dim, generator=generator) for _ in mixers]
+    accepted = max(1, rows // 2)
+    times = {"keep": [], "recompute": []}
+    for _ in range(rounds):
+        began = time.perf_counter()
+        for state in states:
+            fused(q, k, v, decay, beta, state, None, 0)
+        times["keep"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        for state in states:
+            fused(q, k, v, decay, beta, state, None, rows - 1)
+            if accepted < rows:  # the rejection: the accepted rows again, from the state before the forward
+                fused(*(x[:, :accepted] for x in (q, k, v, decay, beta)), state, None, accepted - 1)
+        times["recompute"].append(time.perf_counter() - began)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="0.8b")
@@ -103,17 +136,20 @@ def main() -> int:
         for rows in rows_tried:
             kept, rollback = timed(model, prompt, rows, rows + 1, args.rounds)  # a speculative request's cache
             plain, _ = timed(model, prompt, rows, 1, args.rounds)  # plain decoding's: the last state only
-            results["verify"][rows] = {"seconds": kept, "plain_cache_seconds": plain, "rollback_seconds": rollback}
+            results["verify"][rows] = {"seconds": kept, "plain_cache_seconds": plain, "rollback_seconds": rollback,
+                                       "recurrence": recurrence_strategies(model, rows, args.rounds)}
     one = results["verify"][1]["plain_cache_seconds"]
     lines = [f"# Qwen 3.5 {args.shape} shape, random weights, {args.quant}, {results['threads']} threads", "",
              f"plain decoding: {1 / one:.1f} tokens/s ({one * 1000:.1f} ms a token)", "",
-             "| rows | verify forward ms | x one row | rows' states kept vs not | rollback (keep) ms | % of the step |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             ("| rows | verify forward ms | x one row | rows' states kept vs not | rollback (keep) ms | % of the step "
+             "| recurrence, every row's state kept ms | recurrence, last kept + half recomputed ms |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rows, row in results["verify"].items():
         plain = row["plain_cache_seconds"]
         kept = f"{(row['seconds'] / plain - 1) * 100:+.1f}%"
         lines.append(f"| {rows} | {row['seconds'] * 1000:.1f} | {row['seconds'] / one:.2f} | {kept} | "
-                     f"{row['rollback_seconds'] * 1000:.3f} | {row['rollback_seconds'] / row['seconds'] * 100:.2f} |")
+                     f"{row['rollback_seconds'] * 1000:.3f} | {row['rollback_seconds'] / row['seconds'] * 100:.2f} | "
+                     f"{row['recurrence']['keep'] * 1000:.2f} | {row['recurrence']['recompute'] * 1000:.2f} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"hybrid-{args.shape}-{args.quant}.json").write_text(json.dumps(results, indent=1))
     (args.out / f"hybrid-{args.shape}-{args.quant}.md").write_text("\n".join(lines) + "\n")

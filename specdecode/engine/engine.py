@@ -191,15 +191,22 @@ class Engine:
     def request_cache_bytes(self, prompt_len: int, sampling: SamplingParams, spec: SpecConfig) -> int:
         """What `begin` will allocate for a request's target KV cache (a server budgets memory with it). It builds
         the spec's drafter if none is built yet: call it where the models are owned (the server's worker)."""
-        return self._cache_bytes(self._cache_slots(prompt_len, sampling, self.drafter(spec), spec))
+        drafter = self.drafter(spec)
+        return self._cache_bytes(self._cache_slots(prompt_len, sampling, drafter, spec),
+                                 self._rollback_rows(drafter, spec))
 
     def least_cache_bytes(self, prompt_len: int, sampling: SamplingParams) -> int:
         """A lower bound of request_cache_bytes that builds nothing (safe from any thread): the request's tokens
         without room for a step's proposal."""
         return self._cache_bytes(min(self.context_limit, prompt_len + sampling.max_tokens))
 
-    def _cache_bytes(self, slots: int) -> int:
-        return self.target.model.cache_bytes(slots)
+    def _cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
+        return self.target.model.cache_bytes(slots, rollback_rows)
+
+    def _rollback_rows(self, drafter: Drafter, spec: SpecConfig) -> int:
+        """The rows a verify forward may roll back over (root and proposed nodes): a hybrid trunk keeps each one's
+        recurrent states until the step commits."""
+        return drafter.max_nodes(self._draft_length(drafter, spec).maximum) + 1
 
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
@@ -227,7 +234,7 @@ class Engine:
         generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         # A hybrid trunk's recurrent states roll back over one verify forward's rows (root and proposed nodes).
         cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec),
-                                            rollback_rows=drafter.max_nodes(draft_length.maximum) + 1)
+                                            rollback_rows=self._rollback_rows(drafter, spec))
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
         request = Request(
             list(prompt_ids), len(prompt_ids), sampling, spec, generator,

@@ -74,6 +74,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
+        # The compiled sequential form (kernels/delta_rule.cpp), set by kernels/hybrid_kernels.py where it runs:
+        # one read and one write of the state per row. None: sequential_delta_rule's PyTorch operations.
+        self.fused_rule = None
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """(the convolution's state [K-1, C], the recurrent state [Hv, dk, dv]) of one sequence."""
@@ -102,7 +105,10 @@ class GatedDeltaNet(nn.Module):
         beta = padded(torch.sigmoid, b).float()  # [B, T, Hv]
         keep_from = cache.rows_kept_from(new)
         if sequential:
-            out, states = sequential_delta_rule(q, k, v, log_decay, beta, state, parents, keep_from)
+            if self.fused_rule is not None:
+                out, states = self.fused_rule(q, k, v, padded(torch.exp, log_decay), beta, state, parents, keep_from)
+            else:
+                out, states = sequential_delta_rule(q, k, v, log_decay, beta, state, parents, keep_from)
             conv_rows = windows[:, keep_from:, 1:]  # [B, T', K-1, C] each kept row's convolution state
         else:
             out, final = chunked_delta_rule(q, k, v, log_decay, beta, state)

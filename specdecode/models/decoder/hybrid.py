@@ -36,14 +36,15 @@ class HybridTransformer(Transformer):
         return HybridCache(len(c.attention_layers), batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype,
                            self.device, shapes, rollback_rows)
 
-    def cache_bytes(self, slots: int) -> int:
-        """Memory a one-sequence cache of `slots` slots holds, its current recurrent states included."""
+    def cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
+        """Memory a one-sequence cache of `slots` slots holds at most: its current recurrent states, and during a
+        step those after each of the `rollback_rows` rows of a verify forward (new_cache's window)."""
         c = self.config
         per_slot = 2 * len(c.attention_layers) * c.num_kv_heads * c.head_dim * self.dtype.itemsize + 8
         states = sum((layer.mixer.conv_channels * (layer.mixer.kernel - 1)) * self.dtype.itemsize
                      + 4 * layer.mixer.value_heads * layer.mixer.key_dim * layer.mixer.value_dim
                      for layer in self.layers if layer.kind == "linear_attention")
-        return slots * per_slot + 2 * states  # the current state and the one before it
+        return slots * per_slot + (rollback_rows + 1) * states  # the state before the rows, and one after each
 
     def begin_rows(self, cache: KVCache | CacheBatch, attn_mask: torch.Tensor | None, new: int) -> None:
         cache.record_rows(None if attn_mask is None else tree_parents(attn_mask, new))

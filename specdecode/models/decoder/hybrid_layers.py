@@ -87,6 +87,10 @@ class HybridDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, kind: str, cache_index: int):
         super().__init__()
         self.kind = kind
+        # The dtype the layer computes in, when not the model's: float32 where every matmul is w4a8 (set by
+        # kernels/hybrid_kernels.py). Its kernels read and write float32, so a bf16 residual stream would only
+        # add conversions (as the Llama family's fused layers, it then keeps the residual stream in float32).
+        self.activation_dtype: torch.dtype | None = None
         self.attn_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         if kind == "linear_attention":
             self.mixer = GatedDeltaNet(config, cache_index)
@@ -98,6 +102,8 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch,
                 index: int, mask: torch.Tensor | None) -> torch.Tensor:
         """As DecoderLayer.forward; `index` is not used (each mixer knows its place in the cache)."""
+        if self.activation_dtype is not None:
+            x = x.to(self.activation_dtype)
         normed = self.attn_norm(x)
         if self.kind == "linear_attention":
             x = x + self.mixer(normed, cache)

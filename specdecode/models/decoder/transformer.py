@@ -84,8 +84,8 @@ class Transformer(nn.Module):
         """Before a forward's layers run: nothing for a KV cache (a hybrid trunk tells its recurrent states each
         row's parent, decoder/hybrid.py)."""
 
-    def cache_bytes(self, slots: int) -> int:
-        """Memory a one-sequence cache of `slots` slots holds."""
+    def cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
+        """Memory a one-sequence cache of `slots` slots holds (`rollback_rows` matters to recurrent layers only)."""
         c = self.config
         return slots * (2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize + 8)
 

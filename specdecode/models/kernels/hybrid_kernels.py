@@ -1,8 +1,9 @@
 """A hybrid trunk (decoder/hybrid.py) made batch-invariant where this machine allows, as the Llama family's fused
 and fixed-order layers are: its full-attention layers run the compiled fixed-order attention (attention.cpp,
 each row summing its visible slots in slot order), and its matmuls are row-invariant (w4a8, or oneDNN's packed
-float kernels found so by a probe at load). The Gated DeltaNet layers need nothing: their sequential form does
-the same element-wise arithmetic for a row whatever else is in its forward (gated_deltanet.py).
+float kernels found so by a probe at load). The Gated DeltaNet layers are row-invariant either way (their
+sequential form does the same arithmetic for a row whatever else is in its forward, gated_deltanet.py); here
+they also get the compiled form of it (delta_rule.cpp), which reads and writes each row's state once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def fix_hybrid_layers(model: HybridTransformer) -> str | None:
     if reason is not None:
         return f"the attention kernel is unavailable: {reason}"
     linears = _linears(model)
-    if not all(isinstance(linear, W4A8Linear) for linear in linears):
+    w4a8 = all(isinstance(linear, W4A8Linear) for linear in linears)
+    if not w4a8:
         if len({type(linear) for linear in linears}) > 1:
             return "its linear layers are packed for oneDNN only in part"
         generator = torch.Generator().manual_seed(0)
@@ -36,10 +38,17 @@ def fix_hybrid_layers(model: HybridTransformer) -> str | None:
         samples = [linear for layer in probes for linear in _layer_linears(layer)] + [model.lm_head]
         if not all(rows_invariant(linear, generator, model.dtype) for linear in samples):
             return "the matmul on this CPU sums in an order that depends on the number of rows"
-    attend = load_kernel().attend
+    kernel = load_kernel()
     for layer in model.layers:
         if layer.kind == "full_attention":
-            layer.mixer.attend = attend
+            layer.mixer.attend = kernel.attend
+        else:
+            layer.mixer.fused_rule = kernel.delta_rule
+        if w4a8:  # the kernels take float32 rows: a float32 residual stream saves two conversions per matmul
+            layer.activation_dtype = layer.rope_dtype = torch.float32  # (cos/sin: when called before finish_loading)
+            for param in layer.parameters():  # the norms', convolution's and decay's few weights, read every step
+                if param.is_floating_point():
+                    param.data = param.data.float()
     model.lm_head.rows_invariant_checked = True
     return None
 

@@ -8,6 +8,7 @@
 // Built with -ffp-contract=off so that no a*b+c is fused differently in different places. Written on
 // w4a8_simd.h's vectors, so the same algorithm (and order of every sum) is compiled for each instruction set.
 #include "attention.h"
+#include "delta_rule.h"
 #include "w4a8_kernel.h"
 #include "row_ops.h"
 #include <vector>
@@ -106,6 +107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
+  m.def("delta_rule", &delta_rule, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
