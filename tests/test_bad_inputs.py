@@ -81,6 +81,22 @@ def test_spec_config_of_the_wrong_type():
         SpecConfig("ngram", num_draft_tokens="3")
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"ngram_branches": 0}, "ngram_branches must be between 1 and 8, got 0"),
+    ({"suffix_spec_factor": 0.0}, "suffix_spec_factor must be above 0 and at most 64, got 0.0"),
+    ({"draft_p_min": 1.0}, "draft_p_min must be at least 0 and below 1, got 1.0"),
+    ({"mtp_draft_vocab": -1}, "mtp_draft_vocab must be at least 0, got -1"),
+    ({"dflash_block_size": 1}, "dflash_block_size must be 0"),  # a hole in its bounds, checked by the drafter
+    ({"ngram_min": 5}, "need 1 <= ngram_min <= ngram_max"),  # an order between two options
+])
+def test_a_drafter_option_outside_its_declared_bounds_is_one_clear_error(options, message):
+    from specdecode.drafters.registry import all_options, check_options
+
+    method = all_options()[next(iter(options))][0].name  # the drafter that declares the option
+    with pytest.raises(SpecDecodeError, match=message):
+        check_options(SpecConfig(method, options=options))
+
+
 @pytest.mark.parametrize("limit", [0, -5, 2.5, "64"])
 def test_context_limit_must_be_a_positive_integer(pair, limit):
     with pytest.raises(SpecDecodeError, match="context limit must be a positive number of tokens"):

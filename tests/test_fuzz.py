@@ -74,6 +74,45 @@ def test_server_answers_every_generated_request_without_a_5xx(case):
         assert response.text.rstrip().endswith("data: [DONE]"), response.text
 
 
+@pytest.fixture(scope="module")
+def roomy_server(folders):
+    """The fuzzed server with room for the prompts a schema-valid request can bring (its context is what a
+    token-id prompt and max_tokens are bounded by in the schema)."""
+    engine = Engine(*(load_model(f, dtype="float32") for f in folders), SETTINGS.spec, context_limit=320)
+    settings = ServerSettings(MODEL, SETTINGS.spec, default_max_tokens=8, request_timeout=60.0)
+    server = RunningServer(create_app(engine, settings))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def valid_requests_schema(roomy_server):
+    schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{roomy_server.port}/openapi.json")
+    schema.config.generation.update(modes=["positive"], max_examples=EXAMPLES, deterministic=EXAMPLES <= 25)
+    schema.config.max_stream_events = 10**6  # read every stream to its end (schemathesis stops at 20 events)
+    return schema
+
+
+valid_schema = schemathesis.pytest.from_fixture("valid_requests_schema")
+# What a JSON schema cannot say: how many tokens a text prompt makes (its characters do not tell), and an order
+# between two fields (ngram_min at most ngram_max, whose default is 4).
+UNSAYABLE = ("leaves no room in the context", "need 1 <= ngram_min <= ngram_max")
+
+
+@valid_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_every_request_the_schema_accepts_is_served(case):
+    """Positive generation only: every request /openapi.json calls valid gets its answer (a 200 with a whole
+    stream), but for what a schema cannot say (UNSAYABLE), which gets its 400."""
+    response = case.call(timeout=120)
+    if response.status_code == 400 and any(words in response.json()["error"]["message"] for words in UNSAYABLE):
+        return
+    assert response.status_code == 200, f"{case.method} {case.path} {case.body!r}: {response.text[:400]}"
+    if any(value.startswith("text/event-stream") for value in response.headers.get("content-type", [])):
+        assert not response.stream_cut_short
+        assert response.text.rstrip().endswith("data: [DONE]"), f"{case.body!r}: {response.text[-600:]}"
+
+
 def test_server_still_serves_after_the_fuzzing_and_counted_no_5xx(fuzzed_server):
     status, body = fuzzed_server.post("/v1/completions", {"prompt": "ok", "max_tokens": 3, "temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1

@@ -117,7 +117,17 @@ def test_openapi_publishes_the_request_schemas(served):
         assert body["required"] and body["content"]["application/json"]["schema"]["$ref"].endswith(name)
         assert {"max_tokens", "temperature", "stream", "logprobs", "speculative"} <= set(schemas[name]["properties"])
     assert set(schemas["CompletionRequest"]["required"]) == {"prompt"}
-    assert "ngram_branches" in schemas["SpeculativeOverride"]["properties"]  # drafter options from the registry
+    # `speculative`: one variant per method this server runs, each with its own options and their bounds (from
+    # the registry), one without a method (the default's options), one for combinations.
+    variants = schemas["SpeculativeOverride"]["oneOf"]
+    by_method = {tuple(v["properties"]["method"].get("enum", ())): v["properties"] for v in variants}
+    ngram = next(props for names, props in by_method.items() if "ngram" in names)
+    assert ngram["ngram_branches"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 8}
+    assert "draft_tree_nodes" not in ngram and "ngram-simple" in next(n for n in by_method if "ngram" in n)
+    assert not any("eagle3" in names for names in by_method)  # this server has no EAGLE-3 head
+    assert any("pattern" in v["properties"]["method"] for v in variants)
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["then"] == {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
     assert schemas["ChatMessage"]["properties"]["role"]["enum"][:2] == ["system", "user"]
 
 

@@ -14,7 +14,7 @@ probabilities or trees, whether its proposals have a fixed block size, whether i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from specdecode.errors import SpecDecodeError
@@ -60,13 +60,34 @@ class DrafterResources:
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,
-           cli: tuple[str, ...] = (), serve_default: Any = None) -> Any:
+           cli: tuple[str, ...] = (), serve_default: Any = None, **bounds: float) -> Any:
     """A drafter option: its default, a help line, and the names llama.cpp's server flags and vLLM's
     `speculative_config` give it (accepted as aliases by our CLI and `--speculative-config`). `serve_default`,
     when set, replaces the default in `specdecode serve` (a server is shared by users who may not see each
-    other's data)."""
+    other's data). `bounds` (ge, gt, le, lt) are the values a number takes: checked for every front door
+    (check_bounds) and published in the server's request schema."""
     return field(default=default, metadata={"help": help, "llama_cpp": llama_cpp, "vllm": vllm, "cli": cli,
-                                            "serve_default": serve_default})
+                                            "serve_default": serve_default, "bounds": bounds})
+
+
+_WITHIN = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
+
+
+def check_bounds(options: Any) -> None:
+    """Raise SpecDecodeError naming the first option outside its declared bounds."""
+    for item in fields(options):
+        bounds, value = item.metadata.get("bounds", {}), getattr(options, item.name)
+        if not all(_WITHIN[kind](value, bound) for kind, bound in bounds.items()):
+            raise SpecDecodeError(f"{item.name} must be {describe_bounds(bounds)}, got {value}")
+
+
+def describe_bounds(bounds: dict[str, float]) -> str:
+    """{"ge": 1, "le": 8} -> "between 1 and 8"; one-sided and open bounds in words."""
+    low = f"at least {bounds['ge']}" if "ge" in bounds else f"above {bounds['gt']}" if "gt" in bounds else None
+    high = f"at most {bounds['le']}" if "le" in bounds else f"below {bounds['lt']}" if "lt" in bounds else None
+    if "ge" in bounds and "le" in bounds:
+        return f"between {bounds['ge']} and {bounds['le']}"
+    return " and ".join(part for part in (low, high) if part)
 
 
 @dataclass(frozen=True)

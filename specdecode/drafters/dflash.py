@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DFlashOptions:
     dflash_block_size: int = option(0, "slots per block, the root included (0 = the drafter's own, usually 16): "
-                                    "fewer rows to verify per step, at the cost of shorter drafts")
+                                    "fewer rows to verify per step, at the cost of shorter drafts", ge=0,
+                                    le=MAX_DRAFT_TOKENS + 1)
 
     def check(self) -> None:
-        if self.dflash_block_size == 1 or not 0 <= self.dflash_block_size <= MAX_DRAFT_TOKENS + 1:
+        if self.dflash_block_size == 1:  # a block of the root alone drafts nothing
             raise SpecDecodeError(f"dflash_block_size must be 0 (the drafter's own) or 2..{MAX_DRAFT_TOKENS + 1}, "
                                   f"got {self.dflash_block_size}")
 

@@ -14,7 +14,7 @@ import torch
 
 from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
-from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
@@ -29,25 +29,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DraftModelOptions:
+class DraftModelOptions(NoOptions):
     draft_p_min: float = option(0.0, "stop drafting a chain when the draft's top probability is below this "
-                                "(0 = off)", llama_cpp="--draft-p-min")
-    draft_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)")
-    draft_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node")
+                                "(0 = off)", llama_cpp="--draft-p-min", ge=0, lt=1)
+    draft_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)",
+                                   ge=0, le=MAX_DRAFT_TOKENS)
+    draft_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node",
+                                   ge=1, le=16)
     draft_vocab: int = option(0, "draft over the N most frequent tokens only (the lowest ids of a byte-level BPE "
                               "vocabulary) and the end-of-turn tokens, through an output head cut to those rows "
-                              "(0 = the whole vocabulary); the target verifies with its full head")
-
-    def check(self) -> None:
-        if not 0 <= self.draft_p_min < 1:
-            raise SpecDecodeError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}")
-        if not 0 <= self.draft_tree_nodes <= MAX_DRAFT_TOKENS:
-            raise SpecDecodeError(f"draft_tree_nodes must be between 0 and {MAX_DRAFT_TOKENS}, "
-                                  f"got {self.draft_tree_nodes}")
-        if not 1 <= self.draft_tree_width <= 16:
-            raise SpecDecodeError(f"draft_tree_width must be between 1 and 16, got {self.draft_tree_width}")
-        if self.draft_vocab < 0:
-            raise SpecDecodeError(f"draft_vocab must be 0 (the whole vocabulary) or positive, got {self.draft_vocab}")
+                              "(0 = the whole vocabulary); the target verifies with its full head", ge=0)
 
 
 @register

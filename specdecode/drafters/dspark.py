@@ -18,10 +18,9 @@ import torch
 
 from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
-from specdecode.drafters.base import DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.dflash import DFlashDrafter, shared_weights
 from specdecode.drafters.registry import register
-from specdecode.errors import SpecDecodeError
 from specdecode.models.heads.dspark import DSparkModel
 from specdecode.spec_types import DraftProposal, Sequence
 
@@ -29,19 +28,12 @@ DEFAULT_CONFIDENCE = 0.3  # measured on the default target (docs/benchmarks/READ
 
 
 @dataclass(frozen=True)
-class DSparkOptions:
+class DSparkOptions(NoOptions):
     dspark_block_size: int = option(0, "slots per block, each drafting a token (0 = the drafter's own): fewer "
-                                    "rows to verify per step, at the cost of shorter drafts")
+                                    "rows to verify per step, at the cost of shorter drafts", ge=0, le=MAX_DRAFT_TOKENS)
     dspark_confidence: float = option(DEFAULT_CONFIDENCE, "stop a block at the first slot whose confidence of "
                                       "being accepted is below this (0 = verify whole blocks; needs a drafter "
-                                      "with a confidence head); never changes the output")
-
-    def check(self) -> None:
-        if not 0 <= self.dspark_block_size <= MAX_DRAFT_TOKENS:
-            raise SpecDecodeError(f"dspark_block_size must be 0 (the drafter's own) or 1..{MAX_DRAFT_TOKENS}, "
-                                  f"got {self.dspark_block_size}")
-        if not 0 <= self.dspark_confidence < 1:
-            raise SpecDecodeError(f"dspark_confidence must be in [0, 1), got {self.dspark_confidence}")
+                                      "with a confidence head); never changes the output", ge=0, lt=1)
 
 
 @register

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import MAX_DRAFT_TOKENS
-from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
-from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import fix_eagle3_attention
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.heads.draft_vocab import spread_to_vocab
@@ -37,16 +36,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Eagle3Options:
-    eagle3_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)")
-    eagle3_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node")
-
-    def check(self) -> None:
-        if not 0 <= self.eagle3_tree_nodes <= MAX_DRAFT_TOKENS:
-            raise SpecDecodeError(f"eagle3_tree_nodes must be between 0 and {MAX_DRAFT_TOKENS}, "
-                                  f"got {self.eagle3_tree_nodes}")
-        if not 1 <= self.eagle3_tree_width <= 16:
-            raise SpecDecodeError(f"eagle3_tree_width must be between 1 and 16, got {self.eagle3_tree_width}")
+class Eagle3Options(NoOptions):
+    eagle3_tree_nodes: int = option(0, "propose an EAGLE-2 dynamic tree of at most this many nodes (0 = a chain)",
+                                    ge=0, le=MAX_DRAFT_TOKENS)
+    eagle3_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node",
+                                    ge=1, le=16)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
@@ -41,17 +41,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class MTPOptions:
+class MTPOptions(NoOptions):
     # 16000 by default: on the default target in w4a8 it drafts at 1.05x plain decoding where the whole
     # vocabulary's head makes it 0.95x (docs/benchmarks, 2026-12-03); a model with a smaller vocabulary keeps its own.
     mtp_draft_vocab: int = option(16000, "draft over the N lowest token ids (a byte-level BPE numbers its merges "
                                   "most frequent first) and the end-of-turn tokens only (0 = the whole "
-                                  "vocabulary); verification still uses the full output head")
-
-    def check(self) -> None:
-        if self.mtp_draft_vocab < 0:
-            raise SpecDecodeError(f"mtp_draft_vocab must be 0 (the whole vocabulary) or positive, "
-                                  f"got {self.mtp_draft_vocab}")
+                                  "vocabulary); verification still uses the full output head", ge=0)
 
 
 @dataclass
@@ -98,8 +93,10 @@ class MTPDrafter(Drafter):
 
     @classmethod
     def check_resources(cls, resources: DrafterResources) -> None:
-        """Its layers come inside the target or in a companion file (--draft-head optional): which of them holds
-        them is known only by reading them, in `create`."""
+        """Its layers come inside the target or in a companion file (--draft-head optional): the target's config
+        and the companion's path say whether there can be any, without reading them (`create` reads them)."""
+        if not resources.target.config.mtp_layers and _companion_path(resources) is None:
+            raise SpecDecodeError(_no_mtp_layers(resources))
 
     @classmethod
     def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
@@ -107,12 +104,7 @@ class MTPDrafter(Drafter):
         config = model.config
         companion = _companion(resources)
         if not config.mtp_layers and companion is None:
-            dropped = (f"; its config declares {config.mtp_declared} but the weights do not hold them (a "
-                       "conversion or quantized upload dropped them)") if config.mtp_declared else ""
-            raise SpecDecodeError(f"method 'mtp' needs a model that ships MTP layers, and {resources.target.name} "
-                                  f"has none{dropped}, nor an MTP companion file (llama.cpp's mtp-NAME.gguf) beside "
-                                  "it or given with --draft-model; `specdecode inspect MODEL` lists what a model can "
-                                  "use, and `specdecode train mtp` trains them onto a model")
+            raise SpecDecodeError(_no_mtp_layers(resources))
         if not options.mtp_draft_vocab or options.mtp_draft_vocab >= config.vocab_size:
             return cls(model, options, None, None, companion)
         ids = frequent_ids(options.mtp_draft_vocab, config.vocab_size, resources.target.tokenizer.eos_token_ids)
@@ -195,6 +187,15 @@ class MTPDrafter(Drafter):
         if self.draft_to_target is None:
             return logits
         return spread_to_vocab(logits, self.draft_to_target, self.target.config.vocab_size)
+
+
+def _no_mtp_layers(resources: DrafterResources) -> str:
+    config = resources.target.model.config
+    dropped = (f"; its config declares {config.mtp_declared} but the weights do not hold them (a conversion or "
+               "quantized upload dropped them)") if config.mtp_declared else ""
+    return (f"method 'mtp' needs a model that ships MTP layers, and {resources.target.name} has none{dropped}, nor "
+            "an MTP companion file (llama.cpp's mtp-NAME.gguf) beside it or given with --draft-model; `specdecode "
+            "inspect MODEL` lists what a model can use, and `specdecode train mtp` trains them onto a model")
 
 
 def _companion_path(resources: DrafterResources) -> Path | None:

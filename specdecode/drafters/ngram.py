@@ -20,16 +20,15 @@ from specdecode.spec_types import DraftProposal, Sequence
 
 @dataclass(frozen=True)
 class NgramOptions:
-    ngram_min: int = option(1, "shortest suffix n-gram to look up", vllm="prompt_lookup_min")
-    ngram_max: int = option(4, "longest suffix n-gram to look up", vllm="prompt_lookup_max")
-    ngram_branches: int = option(1, "continuations of distinct earlier matches proposed as one tree (1 = a chain)")
+    ngram_min: int = option(1, "shortest suffix n-gram to look up", vllm="prompt_lookup_min", ge=1)
+    ngram_max: int = option(4, "longest suffix n-gram to look up", vllm="prompt_lookup_max", ge=1)
+    ngram_branches: int = option(1, "continuations of distinct earlier matches proposed as one tree (1 = a chain)",
+                                 ge=1, le=8)
 
     def check(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise SpecDecodeError(
                 f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} ngram_max={self.ngram_max}")
-        if not 1 <= self.ngram_branches <= 8:
-            raise SpecDecodeError(f"ngram_branches must be between 1 and 8, got {self.ngram_branches}")
 
 
 @register

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.registry import register
-from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 
 UNSEEN = -1  # an M entry no forward has filled
@@ -32,19 +31,12 @@ TOP_ACCEPTANCE = 0.6
 
 
 @dataclass(frozen=True)
-class RecycleOptions:
-    recycle_topk: int = option(8, "successors kept per token in the adjacency matrix (the paper's k)")
+class RecycleOptions(NoOptions):
+    recycle_topk: int = option(8, "successors kept per token in the adjacency matrix (the paper's k)", ge=1, le=32)
     recycle_tree_nodes: int = option(0, "draft a tree of this many nodes from the static template (0 = a chain "
-                                        "of each token's best successor)")
+                                        "of each token's best successor)", ge=0, le=128)
     recycle_shared: bool = option(True, "keep the adjacency matrix across requests (off: each request starts "
                                         "empty)", serve_default=False)
-
-    def check(self) -> None:
-        if not 1 <= self.recycle_topk <= 32:
-            raise SpecDecodeError(f"recycle_topk must be between 1 and 32, got {self.recycle_topk}")
-        if not 0 <= self.recycle_tree_nodes <= 128:
-            raise SpecDecodeError(f"recycle_tree_nodes must be between 0 (a chain) and 128, got "
-                                  f"{self.recycle_tree_nodes}")
 
 
 @register

@@ -12,7 +12,7 @@ from dataclasses import Field, fields, replace
 from typing import Any
 
 from specdecode.config import SpecConfig
-from specdecode.drafters.base import Drafter, DrafterResources
+from specdecode.drafters.base import Drafter, DrafterResources, check_bounds
 from specdecode.errors import SpecDecodeError
 
 DRAFTERS: dict[str, type[Drafter]] = {}
@@ -142,6 +142,7 @@ def _build_options(cls: type[Drafter], given: dict[str, Any]) -> Any:
         widening = kind is float and isinstance(value, int) and not isinstance(value, bool)
         if not (exact or widening):
             raise SpecDecodeError(f"option {item.name} must be {kind.__name__}, got {value!r}")
+    check_bounds(options)
     options.check()
     return options
 

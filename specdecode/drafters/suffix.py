@@ -27,39 +27,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.registry import register
 from specdecode.drafters.suffix_index import Candidate, TokenIndex, best_candidate
-from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence
 
 
 @dataclass(frozen=True)
-class SuffixOptions:
+class SuffixOptions(NoOptions):
     suffix_max_depth: int = option(24, "tokens a match and its continuation span at most (the suffix trees' depth)",
-                                   vllm="suffix_decoding_max_tree_depth")
+                                   vllm="suffix_decoding_max_tree_depth", ge=1, le=256)
     suffix_spec_factor: float = option(1.0, "draft tokens per matched token (longer matches propose more)",
-                                       vllm="suffix_decoding_max_spec_factor")
+                                       vllm="suffix_decoding_max_spec_factor", gt=0, le=64)
     suffix_min_prob: float = option(0.1, "least share of earlier occurrences a proposed continuation needs",
-                                    vllm="suffix_decoding_min_token_prob")
+                                    vllm="suffix_decoding_min_token_prob", ge=0, le=1)
     suffix_cache_requests: int = option(1000, "finished responses kept to draft later requests from "
                                               "(0 = none; serve's default)",
-                                        vllm="suffix_decoding_max_cached_requests", serve_default=0)
+                                        vllm="suffix_decoding_max_cached_requests", serve_default=0, ge=0,
+                                        le=1_000_000)
     suffix_tree_nodes: int = option(0, "nodes of a proposal tree over several continuations "
-                                       "(0 = one chain, the most frequent)")
-
-    def check(self) -> None:
-        if not 1 <= self.suffix_max_depth <= 256:
-            raise SpecDecodeError(f"suffix_max_depth must be between 1 and 256, got {self.suffix_max_depth}")
-        if not 0 < self.suffix_spec_factor <= 64:
-            raise SpecDecodeError(f"suffix_spec_factor must be above 0 and at most 64, got {self.suffix_spec_factor}")
-        if not 0 <= self.suffix_min_prob <= 1:
-            raise SpecDecodeError(f"suffix_min_prob must be between 0 and 1, got {self.suffix_min_prob}")
-        if not 0 <= self.suffix_cache_requests <= 1_000_000:
-            raise SpecDecodeError("suffix_cache_requests must be between 0 (no cache) and 1000000, "
-                                  f"got {self.suffix_cache_requests}")
-        if not 0 <= self.suffix_tree_nodes <= 64:
-            raise SpecDecodeError(f"suffix_tree_nodes must be between 0 (a chain) and 64, got {self.suffix_tree_nodes}")
+                                       "(0 = one chain, the most frequent)", ge=0, le=64)
 
 
 class ResponseCache:

@@ -148,7 +148,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return StreamingResponse(stream, media_type="text/event-stream")
         return await collect(job, shape, metrics, request)
 
-    publish_request_schemas(app, [completion_request, chat_request])
+    runnable = {}  # each method this server runs -> every name a request may give it
+    for method in runnable_methods(engine):
+        cls = DRAFTERS[method["name"]]
+        runnable[cls.name] = sorted({cls.name, *cls.aliases, *([cls.vllm_method] if cls.vllm_method else [])})
+    # "auto", and a request without a method (the server's default), take the options of the drafters they run.
+    members = {"default": list(engine.check_spec(settings.spec).methods)}
+    if "auto" in runnable:
+        members["auto"] = list(engine.check_spec(SpecConfig("auto")).methods)
+    publish_request_schemas(app, [completion_request, chat_request], runnable, members)
     return app
 
 

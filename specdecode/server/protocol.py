@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
-from specdecode.config import MAX_LOGPROBS
+from specdecode.config import MAX_DRAFT_TOKENS, MAX_LOGPROBS
 from specdecode.drafters.registry import all_options
 
 # Strict types at the HTTP boundary: "stream": "yes" or "max_tokens": "8" is a 400, not a guess. JSON numbers
@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
 class _SpeculativeBase(BaseModel):
     model_config = STRICT | ConfigDict(extra="forbid")
     method: str | None = None
-    num_draft_tokens: Int | None = None
+    num_draft_tokens: integer(ge=0, le=MAX_DRAFT_TOKENS) | None = None
     verification: Literal["block", "token"] | None = Field(
         default=None, description="how a sampled chain of drafts is verified: block (jointly) or token (token by "
         "token); both lossless")
@@ -53,10 +53,18 @@ class _SpeculativeBase(BaseModel):
 
 # Per-request speculation, overriding the server default (extra body field `speculative`): the method, the draft
 # length and every registered drafter's options, by our names.
+def _option_field(item) -> tuple:
+    """A drafter option's request field: its type (an integer takes 4.0, as every integer field here) within its
+    declared bounds, or null."""
+    kind, bounds, help_ = type(item.default), item.metadata["bounds"], item.metadata["help"]
+    if kind is int:
+        return integer(**bounds) | None, Field(default=None, description=help_)
+    return kind | None, Field(default=None, description=help_, **bounds)
+
+
 SpeculativeOverride = create_model(
     "SpeculativeOverride", __base__=_SpeculativeBase,
-    **{name: (type(item.default) | None, Field(default=None, description=item.metadata["help"]))
-       for name, (_, item) in all_options().items()})
+    **{name: _option_field(item) for name, (_, item) in all_options().items()})
 
 
 class _GenerationRequest(BaseModel):
@@ -119,6 +127,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    # top_logprobs above 0 needs logprobs true (logprobs_asked), as OpenAI's API: said in the schema too.
+    model_config = _GenerationRequest.model_config | ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool | None = Field(default=False, description="log-probability of each emitted token")
@@ -137,7 +149,7 @@ def request_models(model_name: str, vocab_size: int, context_limit: int) -> tupl
     answers) its model's name."""
     budget = integer(ge=1, le=context_limit) | None
     model = Annotated[str | None, Field(json_schema_extra={"enum": [model_name, None]})]
-    ids = Annotated[list[integer(ge=0, lt=vocab_size)], Field(min_length=1)]
+    ids = Annotated[list[integer(ge=0, lt=vocab_size)], Field(min_length=1, max_length=max(1, context_limit - 1))]
     completion = create_model("CompletionRequest", __base__=CompletionRequest, model=(model, None),
                               max_tokens=(budget, None), prompt=(NonEmpty | ids, ...))
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, model=(model, None),
@@ -189,8 +201,11 @@ def request_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Add `models` (and the models they use) to /openapi.json's components, where request_body points."""
+def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods: dict[str, list[str]],
+                            members: dict[str, list[str]]) -> None:
+    """Add `models` (and the models they use) to /openapi.json's components, where request_body points.
+    `methods`: each method this server can run (name -> the names it answers to), for `speculative`'s schema;
+    `members`: the drafters whose options a request may set with "auto", and with no method (the default)."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -199,7 +214,37 @@ def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None
         if models[0].__name__ not in components:
             _, definitions = models_json_schema([(model, "validation") for model in models],
                                                 ref_template="#/components/schemas/{model}")
-            components.update(definitions["$defs"])
+            definitions = definitions["$defs"]
+            definitions["SpeculativeOverride"] = speculative_schema(definitions["SpeculativeOverride"], methods,
+                                                                    members)
+            components.update(definitions)
         return schema
 
     app.openapi = openapi
+
+
+def speculative_schema(override: dict, methods: dict[str, list[str]], members: dict[str, list[str]]) -> dict:
+    """SpeculativeOverride's schema as the server checks it (drafters/registry.py), one variant per method this
+    server can run, each with that method's options only (an option of another method is a 400; `auto` takes
+    those of the drafters it stands for here), one without a method (the default's options), and one for a
+    combination of methods ("ngram,draft"), published with the method and draft length only: the server also takes its members' options, which a schema cannot tie to the names in a string."""
+    options = all_options()
+    own = {name: [item for item, (cls, _) in options.items() if cls.name == name] for name in methods}
+    runnable = {name: [item for member in members.get(name, [name]) for item in own.get(member, [])]
+                for name in methods}
+    properties = override["properties"]
+
+    def variant(method_schema: dict, option_names: list[str], required: bool) -> dict:
+        chosen = {"method": method_schema, "num_draft_tokens": properties["num_draft_tokens"],
+                  "verification": properties["verification"], **{n: properties[n] for n in option_names}}
+        return {"type": "object", "additionalProperties": False, "properties": chosen,
+                **({"required": ["method"]} if required else {})}
+
+    variants = [variant({"enum": names}, runnable[name], True) for name, names in methods.items()]
+    default = [item for member in members["default"] for item in own.get(member, [])]
+    variants.append(variant({"type": "null"}, default, False))
+    pattern = "|".join(sorted(methods))
+    variants.append(variant({"type": "string", "pattern": f"^({pattern})(,({pattern}))+$"}, [], True))
+    return {"title": "SpeculativeOverride", "oneOf": variants,
+            "description": "speculation for this request instead of the server's: a method this server runs with "
+                           "its own options, the default's options without a method, or a combination of methods"}
