@@ -37,7 +37,7 @@ def test_drafts_come_from_the_reduced_vocabulary_and_the_output_is_plain_decodin
 def test_the_reduced_head_is_built_once_and_counted(engine):
     first = engine.drafter(SpecConfig("draft", draft_vocab=32))
     again = engine.drafter(SpecConfig("draft", draft_vocab=32, draft_tree_nodes=4))
-    assert first.head is again.head and "draft-head:32" in engine.resources.own_weights
+    assert first.head is again.head and "draft-head:32:lowest" in engine.resources.own_weights
     assert engine.drafter_weights_bytes() > 0
     assert engine.drafter(SpecConfig("draft", draft_vocab=100_000)).head is None  # not smaller: the own head
 
@@ -49,3 +49,41 @@ def test_sampled_output_passes_the_distribution_check(noisy_pair, tmp_path, caps
                  "--max-tokens", "16", "--trials", "300", "--temperature", "1.0", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["sampling"]["drafted"] > 0
+
+
+def test_counted_ids_take_the_most_emitted_tokens_whole_tiles_and_the_end_tokens():
+    import torch
+
+    from specdecode.models.heads.draft_vocab import counted_ids
+
+    counts = torch.zeros(100, dtype=torch.long)
+    counts[[90, 40, 7]] = torch.tensor([5, 9, 1])  # emitted most: 40, then 90, then 7
+    ids = counted_ids(counts, 3, frozenset({99}))
+    assert ids.tolist() == sorted(ids.tolist()) and len(ids) % 16 == 0
+    assert {40, 90, 7, 99} <= set(ids.tolist())  # then ids never seen, lowest first, to fill the tile
+    never_seen = [i for i in range(100) if i not in {40, 90, 7, 99}]
+    assert set(ids.tolist()) - {40, 90, 7, 99} == set(never_seen[: len(ids) - 4])
+
+
+def test_train_vocab_counts_the_targets_answers_and_draft_vocab_drafts_over_them(noisy_pair, capsys):
+    from specdecode.models.formats.drafter_folder import trained_folder
+    from specdecode.models.heads.draft_vocab import read_counts
+
+    target, draft = noisy_pair
+    code = main(["train", "vocab", "--target", str(target.folder), "--answers", "2", "--answer-tokens", "8",
+                 "--dtype", "float32", "--quant", "none", "--quiet"])
+    assert code == 0 and "token_counts.json" in capsys.readouterr().err
+    counts = read_counts(trained_folder("vocab", str(target.folder)), target.config.vocab_size)
+    assert counts is not None and 0 < counts.sum() <= 16  # two answers of at most 8 tokens
+    reread = Engine(load_named(target, str(target.folder)), draft)  # the name the counts were made for
+    drafter = reread.drafter(SpecConfig("draft", guard=False, options={"draft_vocab": 16}))
+    assert set(counts.nonzero().flatten().tolist()) <= set(drafter.head_ids.tolist())
+    assert "draft-head:16:counted" in reread.resources.own_weights
+    assert reread.complete(PROMPTS[0], GREEDY, SpecConfig("draft", draft_vocab=16)).token_ids == \
+        reread.complete(PROMPTS[0], GREEDY).token_ids
+
+
+def load_named(model, name: str):
+    from dataclasses import replace
+
+    return replace(model, name=name)

@@ -1,4 +1,5 @@
-"""`specdecode train eagle3|mtp|dflash|dspark [--target MODEL] [--out DIR]`: a drafter trained for the user's own model, offline.
+"""`specdecode train eagle3|mtp|dflash|dspark|vocab [--target MODEL] [--out DIR]`: a drafter trained for the user's own
+model, offline (vocab: the tokens the target emits most, for a draft model's reduced head).
 
 Two phases, both resumable (run the same command again): the target's features of text built from Python's
 standard library (its own answers to prompts made from documented functions, and the library's source), kept
@@ -22,13 +23,15 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
 
-KINDS = ("eagle3", "mtp", "dflash", "dspark")
+KINDS = ("eagle3", "mtp", "dflash", "dspark", "vocab")
 BLOCK_KINDS = ("dflash", "dspark")
 
 
 def add_parser(commands) -> None:
     train = commands.add_parser("train", help="train a drafter for a target on this machine (offline data)")
-    train.add_argument("kind", choices=KINDS, help="the drafter to train")
+    train.add_argument("kind", choices=KINDS, help="the drafter to train; vocab: count the tokens the target "
+                       "emits most in its own answers (--answers, --answer-tokens), which a draft model's "
+                       "draft_vocab then drafts over")
     train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
     train.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/KIND/TARGET_NAME, "
                        "where --spec-type auto finds an EAGLE-3 head; CACHE as for the default models)")
@@ -119,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
+    if args.kind == "vocab":
+        return count_vocabulary(args, out)
     features = Path(args.features) if args.features else trained_folder("features", args.target)
     for folder in (out, features):
         try:
@@ -152,6 +157,31 @@ def run(args: argparse.Namespace) -> int:
     rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
     print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
           f"acceptance by draft position {rates}; use it with: {_usage(args, out)}", file=sys.stderr)
+    return 0
+
+
+def count_vocabulary(args: argparse.Namespace, out: Path) -> int:
+    """`train vocab`: the target's emitted-token counts over its own answers, where a draft model's draft_vocab
+    finds them (CACHE/vocab/TARGET_NAME, unless --out says otherwise)."""
+    from specdecode.models.loader import load_model
+    from specdecode.training.vocab_counts import count_answers, write_counts
+
+    if not args.answers:
+        raise SpecDecodeError("train vocab counts the target's answers: --answers must be at least 1")
+    target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
+    counts, answered = count_answers(target, args.answers, args.answer_tokens, args.quiet)
+    if not answered:
+        raise SpecDecodeError(f"no prompt left room for a {args.answer_tokens}-token answer in {args.target}'s "
+                              "context: lower --answer-tokens")
+    path = write_counts(out, counts, target, answered)
+    top = counts.sort(descending=True).values
+    shares = ", ".join(f"the {n} most frequent {top[:n].sum() / max(1, int(counts.sum())):.1%}"
+                       for n in (1000, 8000, 32000) if n < counts.numel())
+    found = trained_folder("vocab", args.target)
+    where = "" if out == found else f"; draft models read counts from {found} only"
+    print(f"wrote {path}: {int(counts.sum())} tokens of {answered} answers, {int((counts > 0).sum())} distinct; "
+          f"{shares} of them; a draft model with --draft-vocab N drafts over the N most frequent{where}",
+          file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.decoder.forward_inputs import forward_groups
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
-from specdecode.models.heads.draft_vocab import frequent_ids, reduced_head, spread_to_vocab
+from specdecode.models.formats.drafter_folder import trained_folder
+from specdecode.models.heads.draft_vocab import counted_ids, frequent_ids, read_counts, reduced_head, spread_to_vocab
 from specdecode.models.loader import LoadedModel
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -36,7 +37,8 @@ class DraftModelOptions(NoOptions):
                                    ge=0, le=MAX_DRAFT_TOKENS)
     draft_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node",
                                    ge=1, le=16)
-    draft_vocab: int = option(0, "draft over the N most frequent tokens only (the lowest ids of a byte-level BPE "
+    draft_vocab: int = option(0, "draft over the N most frequent tokens only (those the target was counted "
+                              "emitting most by `specdecode train vocab`, else the lowest ids of a byte-level BPE "
                               "vocabulary) and the end-of-turn tokens, through an output head cut to those rows "
                               "(0 = the whole vocabulary); the target verifies with its full head", ge=0)
 
@@ -71,8 +73,12 @@ class DraftModelDrafter(Drafter):
         vocab = resources.target.config.vocab_size
         if not options.draft_vocab or options.draft_vocab >= min(vocab, resources.draft.config.vocab_size):
             return cls(resources.draft, vocab, options)
-        ids = frequent_ids(options.draft_vocab, vocab, resources.target.tokenizer.eos_token_ids)
-        key = f"draft-head:{options.draft_vocab}"
+        # The tokens the target was counted emitting most (`specdecode train vocab`), else the lowest ids.
+        counts = read_counts(trained_folder("vocab", resources.target.name), vocab)
+        ends = resources.target.tokenizer.eos_token_ids
+        ids = frequent_ids(options.draft_vocab, vocab, ends) if counts is None else counted_ids(
+            counts, options.draft_vocab, ends)
+        key = f"draft-head:{options.draft_vocab}:{'counted' if counts is not None else 'lowest'}"
         if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
             # In the draft model's own precision: its head is quantized as the rest of it was.
             resources.own_weights[key] = reduced_head(resources.draft.model, ids, resources.draft.quant)
