@@ -67,15 +67,14 @@ def write_random(folder: Path, shape: dict) -> Path:
                "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
-        tensors.update({
-            prefix + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            prefix + "self_attn.q_proj.weight": random(hidden, hidden), prefix + "self_attn.q_proj.bias": random(hidden),
-            prefix + "self_attn.k_proj.weight": random(kv, hidden), prefix + "self_attn.k_proj.bias": random(kv),
-            prefix + "self_attn.v_proj.weight": random(kv, hidden), prefix + "self_attn.v_proj.bias": random(kv),
-            prefix + "self_attn.o_proj.weight": random(hidden, hidden),
-            prefix + "mlp.gate_proj.weight": random(inner, hidden), prefix + "mlp.up_proj.weight": random(inner, hidden),
-            prefix + "mlp.down_proj.weight": random(hidden, inner)})
+        shapes = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.q_proj.bias": (hidden,),
+                  "self_attn.k_proj.weight": (kv, hidden), "self_attn.k_proj.bias": (kv,),
+                  "self_attn.v_proj.weight": (kv, hidden), "self_attn.v_proj.bias": (kv,),
+                  "self_attn.o_proj.weight": (hidden, hidden), "mlp.gate_proj.weight": (inner, hidden),
+                  "mlp.up_proj.weight": (inner, hidden), "mlp.down_proj.weight": (hidden, inner)}
+        tensors.update({prefix + name: random(*dims) for name, dims in shapes.items()})
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            tensors[prefix + norm] = torch.ones(hidden, dtype=torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
@@ -234,8 +233,9 @@ def markdown(report: dict) -> str:
              f"torch {report['torch']}; {report['when']}", ""]
     lines += [f"- skipped: {reason}" for reason in report["skipped"]]
     plain = report["decoding"]
-    lines += ["", (f"plain decoding: {plain['tokens_per_second']:.1f} tokens/s; a step {plain['step_seconds'] * 1e3:.2f} ms, "
-              f"its forward {plain['forward_seconds'] * 1e3:.2f} ms, the engine's own share {plain['engine_share']:.1%}"),
+    lines += ["", (f"plain decoding: {plain['tokens_per_second']:.1f} tokens/s; a step "
+                   f"{plain['step_seconds'] * 1e3:.2f} ms, its forward {plain['forward_seconds'] * 1e3:.2f} ms, the "
+                   f"engine's own share {plain['engine_share']:.1%}"),
               "", "| rows | verify forward ms | x one row | max logit difference vs one row at a time | same argmax |",
               "|---:|---:|---:|---:|:---:|"]
     one = report["verify"][1]["seconds"]
@@ -246,8 +246,9 @@ def markdown(report: dict) -> str:
     lines += [f"| {size} | {row['tokens_per_second']:.1f} |" for size, row in report["batched"].items()]
     if "training" in report:
         train = report["training"]
-        lines += ["", (f"train eagle3 ({train['tokens']} tokens, {train['epochs']} epochs): features {train['features_tokens_per_second']:.0f} "
-                  f"tokens/s, head training {train['training_tokens_per_second']:.0f} tokens/s")]
+        lines += ["", (f"train eagle3 ({train['tokens']} tokens, {train['epochs']} epochs): features "
+                       f"{train['features_tokens_per_second']:.0f} tokens/s, head training "
+                       f"{train['training_tokens_per_second']:.0f} tokens/s")]
     return "\n".join(lines) + "\n"
 
 

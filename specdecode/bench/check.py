@@ -65,7 +65,9 @@ def greedy_identity(engine: Engine, prompts: list[str], spec: SpecConfig, max_to
         ours = result.token_ids
         differs = [i for i, (a, b) in enumerate(zip(plain, ours)) if a != b]
         first = differs[0] if differs else (None if len(plain) == len(ours) else min(len(plain), len(ours)))
-        gap = None if first is None or first >= len(plain) else _logit_gap(engine, engine.encode(prompt) + plain[:first])
+        gap = None  # plain decoding's margin where the outputs part, when they part inside plain's output
+        if first is not None and first < len(plain):
+            gap = _logit_gap(engine, engine.encode(prompt) + plain[:first])
         cases.append(IdentityCase(prompt, len(plain), first, result.stats.drafted_tokens,
                                   result.stats.accepted_tokens, gap))
     return cases

@@ -51,8 +51,6 @@ class _SpeculativeBase(BaseModel):
         return {name: value for name, value in self if name not in settings and value is not None}
 
 
-# Per-request speculation, overriding the server default (extra body field `speculative`): the method, the draft
-# length and every registered drafter's options, by our names.
 def _option_field(item) -> tuple:
     """A drafter option's request field: its type (an integer takes 4.0, as every integer field here) within its
     declared bounds, or null."""
@@ -62,6 +60,8 @@ def _option_field(item) -> tuple:
     return kind | None, Field(default=None, description=help_, **bounds)
 
 
+# Per-request speculation, overriding the server default (extra body field `speculative`): the method, the draft
+# length and every registered drafter's options, by our names (published per method: speculative_schema).
 SpeculativeOverride = create_model(
     "SpeculativeOverride", __base__=_SpeculativeBase,
     **{name: _option_field(item) for name, (_, item) in all_options().items()})
@@ -227,7 +227,8 @@ def speculative_schema(override: dict, methods: dict[str, list[str]], members: d
     """SpeculativeOverride's schema as the server checks it (drafters/registry.py), one variant per method this
     server can run, each with that method's options only (an option of another method is a 400; `auto` takes
     those of the drafters it stands for here), one without a method (the default's options), and one for a
-    combination of methods ("ngram,draft"), published with the method and draft length only: the server also takes its members' options, which a schema cannot tie to the names in a string."""
+    combination of methods ("ngram,draft"), published with the method and draft length only: the server also
+    takes its members' options, which a schema cannot tie to the names in a string."""
     options = all_options()
     own = {name: [item for item, (cls, _) in options.items() if cls.name == name] for name in methods}
     runnable = {name: [item for member in members.get(name, [name]) for item in own.get(member, [])]
