@@ -150,7 +150,7 @@ def test_block_size_option_and_errors(target, tmp_path):
     short = engine.complete(PROMPT, sampling, SpecConfig("dspark", guard=False,
                                                          options={"dspark_confidence": 0.0, "dspark_block_size": 2}))
     assert short.token_ids == full.token_ids and len(short.stats.drafted_per_position) == 2
-    with pytest.raises(SpecDecodeError, match="dspark_confidence must be in"):
+    with pytest.raises(SpecDecodeError, match="dspark_confidence must be at least 0 and below 1"):
         engine.complete(PROMPT, sampling, SpecConfig("dspark", options={"dspark_confidence": 1.5}))
     hf = json.loads((folder / "config.json").read_text())
     for change, message in (({"markov_head_type": "lstm"}, "markov_head_type one of"),
