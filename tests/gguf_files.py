@@ -240,13 +240,14 @@ def qwen35_stored(name: str, weight: np.ndarray, config: dict) -> np.ndarray:
     return weight
 
 
-def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F32) -> None:
+def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F32, part: str = "all") -> None:
     """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35"), float32, or its
-    matrices in `matrices` (F16 for a file llama-quantize takes); mtp=False as its --no-mtp writes (no nextn
-    key, no MTP block)."""
+    matrices in `matrices` (F16 for a file llama-quantize takes); mtp=False (or part "trunk") as its --no-mtp
+    writes (no nextn key, no MTP block); part "mtp" as its --mtp writes a companion (block_count L+n, the nextn
+    key, the MTP blocks with the embedding, final norm and head, no trunk block)."""
     config = json.loads((hf_folder / "config.json").read_text())
     trunk = config["num_hidden_layers"]
-    nextn = config.get("mtp_num_hidden_layers", 0) if mtp else 0
+    nextn = config.get("mtp_num_hidden_layers", 0) if mtp and part != "trunk" else 0
     writer = gguf.GGUFWriter(str(path), "qwen35")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -275,7 +276,8 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
                                           for i in range(trunk)]
     writer.add_uint32("qwen35.full_attention_interval", interval)
     # The test configs' layer kinds are not every-4th: the file names them, as newer conversions do.
-    writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear_attention" for kind in kinds] + [False] * nextn)
+    writer.add_array("qwen35.attention.recurrent_layers",
+                     [kind == "linear_attention" for kind in kinds] + [False] * nextn)
     tokens, types, merges = gguf_tokens(config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen35")
@@ -298,6 +300,8 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
                 if not nextn:
                     continue
                 block = str(trunk + int(block))
+            elif part == "mtp":
+                continue  # a companion holds no trunk block
             gguf_name = f"blk.{block}.{_QWEN35_BLOCK[rest]}"
         data = np.ascontiguousarray(qwen35_stored(name, weight.astype(np.float32), config))
         if data.ndim == 2 and matrices == F16 and not gguf_name.endswith("conv1d.weight"):

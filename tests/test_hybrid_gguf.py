@@ -56,3 +56,28 @@ def test_a_qwen35_gguf_quantizes_to_the_same_w4a8_model_as_its_folder(folder, tm
     from_gguf = logits(load_model(path, dtype="bfloat16", quant="w4a8").model, IDS)
     from_folder = logits(load_model(folder, dtype="bfloat16", quant="w4a8").model, IDS)
     assert torch.isfinite(from_gguf).all() and torch.equal(from_gguf, from_folder)
+
+
+def test_llama_cpps_split_qwen35_files_draft_as_one_file_does(folder, tmp_path):
+    """`convert_hf_to_gguf.py --no-mtp` then `--mtp`: the trunk file, and mtp-NAME.gguf with the MTP module alone
+    beside it. The mtp drafter finds the companion and drafts exactly as with the module inside one file; the
+    companion loaded as a model is one clear error."""
+    from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
+    from specdecode.models.formats.mtp_companion import companion_beside
+
+    whole, split = tmp_path / "whole" / "m.gguf", tmp_path / "split" / "m.gguf"
+    for path, part in ((whole, "all"), (split, "trunk"), (split.with_name("mtp-m.gguf"), "mtp")):
+        path.parent.mkdir(exist_ok=True)
+        write_qwen35_gguf(path, folder, part=part)
+    assert companion_beside(split) == split.with_name("mtp-m.gguf")
+    sampling, spec = SamplingParams(max_tokens=20, ignore_eos=True), SpecConfig("mtp", guard=False)
+    runs = []
+    for path in (whole, split):
+        engine = Engine(load_model(path, dtype="float32", quant="none"))
+        plain = engine.complete("hello hello", sampling, SpecConfig("none")).token_ids
+        result = engine.complete("hello hello", sampling, spec)
+        assert result.token_ids == plain
+        runs.append((result.token_ids, result.stats.drafted_tokens, result.stats.accepted_tokens))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+    with pytest.raises(SpecDecodeError, match="holds only MTP layers"):
+        load_model(split.with_name("mtp-m.gguf"), dtype="float32", quant="none")

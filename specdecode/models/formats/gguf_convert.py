@@ -84,14 +84,15 @@ def field_value(reader, key: str, default=None):
     return values[0] if len(values) == 1 else values
 
 
-def config_from_gguf(reader, path: Path) -> ModelConfig:
+def config_from_gguf(reader, path: Path, companion: bool = False) -> ModelConfig:
+    """`companion`: the file may hold MTP layers alone (llama.cpp's --mtp companion)."""
     try:
-        return _config_from_gguf(reader, path)
+        return _config_from_gguf(reader, path, companion)
     except (KeyError, TypeError, ValueError, ArithmeticError) as error:  # a zero head count divides by zero
         raise SpecDecodeError(f"{path}: GGUF metadata is missing or malformed ({error!r})") from None
 
 
-def _config_from_gguf(reader, path: Path) -> ModelConfig:
+def _config_from_gguf(reader, path: Path, companion: bool) -> ModelConfig:
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCHITECTURES and gguf_arch != gguf_qwen35.ARCHITECTURE:
         raise SpecDecodeError(f"{path}: {unsupported_message(gguf_arch)}")
@@ -101,7 +102,7 @@ def _config_from_gguf(reader, path: Path) -> ModelConfig:
 
     tensors = {t.name: t for t in reader.tensors}
     if gguf_arch == gguf_qwen35.ARCHITECTURE:
-        return gguf_qwen35.qwen35_config(meta, tensors, path)
+        return gguf_qwen35.qwen35_config(meta, tensors, path, companion)
     hidden = int(meta("embedding_length"))
     # llama.cpp counts the MTP blocks in block_count; the trunk is the blocks before them.
     nextn = int(meta("nextn_predict_layers", 0))

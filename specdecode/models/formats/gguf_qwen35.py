@@ -44,8 +44,9 @@ _NEXTN = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_em
 _PATTERN = re.compile(r"blk\.(\d+)\.(nextn\.)?(.+)")
 
 
-def qwen35_config(meta, tensors: dict, path: Path) -> ModelConfig:
-    """The config from the file's `qwen35.*` metadata (`meta(key, default)`) and tensor names."""
+def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False) -> ModelConfig:
+    """The config from the file's `qwen35.*` metadata (`meta(key, default)`) and tensor names; `companion`: the
+    file may hold the MTP layers alone (llama.cpp's --mtp companion, read by formats/mtp_companion.py)."""
     nextn = int(meta("nextn_predict_layers", 0))
     layers = int(meta("block_count")) - nextn
     heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
@@ -57,8 +58,9 @@ def qwen35_config(meta, tensors: dict, path: Path) -> ModelConfig:
     else:
         interval = int(meta("full_attention_interval", 4))
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    if "blk.0.attn_norm.weight" not in tensors:
-        raise SpecDecodeError(f"{path} holds only MTP layers (llama.cpp's --mtp companion); load the model's own file")
+    if "blk.0.attn_norm.weight" not in tensors and not companion:
+        raise SpecDecodeError(f"{path} holds only MTP layers (llama.cpp's --mtp companion): load the model's own "
+                              "file, and this one beside it (or with --draft-model) for --spec-type mtp")
     return ModelConfig(
         architecture="qwen3_5", vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")), num_layers=layers, num_heads=heads,

@@ -68,12 +68,30 @@ def _companion_layers(metadata: dict, types: dict) -> int:
     return count if count and present and "blk.0.attn_norm.weight" not in types else 0
 
 
+def _layer_sources(weights, config: ModelConfig, j: int) -> tuple[dict[str, list[str]], set[str]]:
+    """MTP layer j's parameters (ours -> the stored names stacked into each), and the names the file holds for
+    that layer (the embedding and head copies left out: the target's are used)."""
+    from specdecode.models.formats.hybrid_names import hybrid_sources
+    from specdecode.models.formats.weight_source import MTP_SHARED_COPIES, mtp_sources
+
+    if config.is_hybrid:  # one module, mtp.{fc, norms, layers.j}: the fc and norms belong to module 0
+        sources = {ours: theirs for ours, theirs in hybrid_sources(config).items() if ours.startswith(f"mtp.{j}.")}
+        parts = {f"mtp.{name}" for name in ("fc.weight", "pre_fc_norm_embedding.weight",
+                                             "pre_fc_norm_hidden.weight", "norm.weight")}
+        held = {name for name in weights.names() if name.startswith(f"mtp.layers.{j}.") or name in parts}
+        return sources, held
+    layer = f"layers.{config.num_layers + j}."
+    held = {name for name in weights.names() if name.startswith(layer)}
+    return mtp_sources(j, config), held - {layer + copy for copy in MTP_SHARED_COPIES}
+
+
 def load_companion(path: Path, target_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                    quant: str) -> tuple[nn.ModuleList, str]:
     """The companion's MTP modules, checked against the target's config, in its dtype and device, their linear
     layers in `quant` (--draft-quant) -> (modules, one line saying what was loaded)."""
     from specdecode.models.decoder.mtp import MTPModule
-    from specdecode.models.formats.weight_source import MTP_SHARED_COPIES, GGUFWeights, expected_shapes, mtp_sources
+    from specdecode.models.formats.hybrid_names import hybrid_shapes
+    from specdecode.models.formats.weight_source import GGUFWeights, expected_shapes
     from specdecode.models.kernels.quantize_module import quantize_linears
 
     if path.suffix.lower() != ".gguf" or not path.is_file():
@@ -83,19 +101,19 @@ def load_companion(path: Path, target_config: ModelConfig, dtype: torch.dtype, d
     if not count:
         raise SpecDecodeError(f"{path} is not an MTP companion file: it holds no nextn layers, or holds a trunk "
                               "too (a model that ships its MTP layers inside is loaded as the model itself)")
-    weights = GGUFWeights(path)  # its config: the sizes in its metadata (biases are read off its blocks below)
+    weights = GGUFWeights(path, companion=True)  # its config: the sizes in its metadata
     differing = [f"{name} {getattr(weights.config, name)} against the target's {getattr(target_config, name)}"
                  for name in _MATCHING_FIELDS if getattr(weights.config, name) != getattr(target_config, name)]
     if differing:
         raise SpecDecodeError(f"{path} holds MTP layers for another model: {'; '.join(differing)}")
-    config = replace(target_config, mtp_layers=count, mtp_declared=count, mtp_layout="deepseek")
-    shapes = expected_shapes(config)
+    # Qwen 3.5's (qwen35) layers are its own top-level MTP module; the others are DeepSeek's blocks L + j.
+    layout = target_config.mtp_layout if target_config.is_hybrid else "deepseek"
+    config = replace(target_config, mtp_layers=count, mtp_declared=count, mtp_layout=layout)
+    shapes = hybrid_shapes(config) if config.is_hybrid else expected_shapes(config)
     state: dict[str, torch.Tensor] = {}
     for j in range(count):
-        sources = mtp_sources(j, config)
+        sources, held = _layer_sources(weights, config, j)
         wanted = {name for names in sources.values() for name in names}
-        held = {name for name in weights.names() if name.startswith(f"layers.{config.num_layers + j}.")}
-        held -= {f"layers.{config.num_layers + j}.{copy}" for copy in MTP_SHARED_COPIES}  # the target's are used
         wrong = sorted(name for name in wanted & held if weights.shape(name) != shapes[name])
         if held != wanted or wrong:
             raise SpecDecodeError(f"{path}: MTP layer {j} does not fit the target ("

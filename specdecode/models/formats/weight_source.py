@@ -221,9 +221,10 @@ class FolderWeights:
 class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, dequantized one at a time on demand."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, companion: bool = False):
+        """`companion`: the file may hold MTP layers alone (formats/mtp_companion.py reads those)."""
         self.reader = open_gguf(path)
-        self.config = config_from_gguf(self.reader, path)
+        self.config = config_from_gguf(self.reader, path, companion)
         names = hf_namer(self.reader, self.config)
         self._tensors = {names(t.name).removeprefix("model."): t for t in self.reader.tensors}
         self._permute = field_value(self.reader, "general.architecture") == "llama"
