@@ -125,6 +125,16 @@ def cache(request, tmp_path, monkeypatch) -> Path | None:
     return path
 
 
+@pytest.fixture
+def frozen_choice_clock(monkeypatch):
+    """Per-step choice (`auto`, combine="best") ranks members by measured costs: a clock that never moves makes
+    every cost zero, so which member drafts is decided by the estimates of acceptance alone, the same on a busy
+    machine as on a quiet one (for tests that compare drafted counts; the choice is test_step_choice.py's)."""
+    from specdecode.drafters.combination import CombinationDrafter
+
+    monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(FakeClock()))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> folder of a tiny random model, built once per session."""

@@ -17,16 +17,14 @@ how far such rows differ (its "row invariance" table) on the default target's sh
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from batched_runs import run_batched
-from conftest import TINY_VOCAB, FakeClock, save_tiny_model, started
+from conftest import TINY_VOCAB, save_tiny_model, started
 from hybrid_reference import add_hybrid_mtp
 from mtp_reference import add_mtp_layers
 from test_drafter_contract import CONFIGS, IDS, PROMPTS, drafter_folders, greedy, target_with_mtp
-from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
+from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SpecConfig
 from specdecode.models.loader import load_model
@@ -39,13 +37,7 @@ SETUPS = [pytest.param(("cpu", "float32"), id="cpu-float32"),
 TOKENS = 24
 
 
-@pytest.fixture(autouse=True)
-def frozen_choice_clock(monkeypatch):
-    """Per-step choice ranks members by measured costs: a clock that never moves leaves the estimates of
-    acceptance alone to decide, so drafted counts do not depend on the machine's load."""
-    from specdecode.drafters.combination import CombinationDrafter
-
-    monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(FakeClock()))
+pytestmark = pytest.mark.usefixtures("frozen_choice_clock")  # drafted counts never depend on the machine's load
 
 
 @pytest.fixture(scope="module", params=SETUPS)
@@ -136,16 +128,8 @@ def test_sampled_output_follows_the_target_distribution_on_the_device(small_voca
     target = load_model(root / "t", dtype=dtype, device=device, quant="none")
     draft = load_model(root / "d", dtype=dtype, device=device, quant="none")
     engine = Engine(target, draft, draft_path=folders)
-    params = SETTINGS["temperature"]
-    joint, third = exact_laws(target.model, params)  # the law of this very model, in its dtype on its device
-    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
-    spec = SpecConfig(method, num_draft_tokens=2, adaptive=False)
-    for seed in range(RUNS):
-        a, b, c = engine.complete(PROMPT, replace(params, seed=seed), spec).token_ids[:3]
-        pair_counts[a, b] += 1
-        third_counts[c] += 1
-    assert chi_square_passes(pair_counts, joint)
-    assert chi_square_passes(third_counts, third)
+    # Against the law of this very model, in its dtype on its device.
+    assert_follows_the_target(engine, SETTINGS["temperature"], SpecConfig(method, num_draft_tokens=2, adaptive=False))
 
 
 @pytest.mark.parametrize("setup", SETUPS[1:])

@@ -16,17 +16,15 @@ draft model is tested in test_hybrid_engine.py: it drafts chains only).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from batched_runs import run_batched
-from conftest import TINY_VOCAB, FakeClock, save_tiny_model, started
+from conftest import TINY_VOCAB, save_tiny_model, started
 from dflash_drafters import write_random_dflash, write_random_dspark
 from eagle3_reference import head_config, random_head, write_head
 from hybrid_reference import add_hybrid_mtp
 from mtp_reference import add_mtp_layers
-from test_engine_distribution import PROMPT, RUNS, SETTINGS, VOCAB, chi_square_passes, exact_laws
+from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS
@@ -85,15 +83,8 @@ def drafter_folders(root, target, vocab: int) -> dict[str, object]:
             "dspark": write_random_dspark(root / "dspark", target, scale=0.05, favour=favour, confidence_bias=0.5)}
 
 
-@pytest.fixture(autouse=True)
-def frozen_choice_clock(monkeypatch):
-    """Per-step choice (`auto`, combine="best") ranks members by measured costs: a clock that never moves makes
-    every cost zero, so which member drafts is decided by the estimates of acceptance alone, the same on a busy
-    machine as on a quiet one. These tests compare drafted counts across runs; the choice is
-    tests/test_step_choice.py's subject."""
-    from specdecode.drafters.combination import CombinationDrafter
-
-    monkeypatch.setattr(CombinationDrafter, "clock", staticmethod(FakeClock()))
+# These tests compare drafted counts across runs: per-step choice must not read the machine's clock (conftest).
+pytestmark = pytest.mark.usefixtures("frozen_choice_clock")
 
 
 def target_with_mtp(folder, arch: str, **overrides):
@@ -170,16 +161,8 @@ def small_vocab_engine(request, tmp_path_factory):
 @pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
 def test_sampled_output_follows_the_target_distribution(small_vocab_engine, method, options):
-    params = SETTINGS["temperature"]
-    joint, third = exact_laws(small_vocab_engine.target.model, params)
-    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
     spec = SpecConfig(method, num_draft_tokens=2, adaptive=False, options=options)
-    for seed in range(RUNS):
-        a, b, c = small_vocab_engine.complete(PROMPT, replace(params, seed=seed), spec).token_ids[:3]
-        pair_counts[a, b] += 1
-        third_counts[c] += 1
-    assert chi_square_passes(pair_counts, joint)
-    assert chi_square_passes(third_counts, third)
+    assert_follows_the_target(small_vocab_engine, SETTINGS["temperature"], spec)
 
 
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)

@@ -73,6 +73,22 @@ def exact_laws(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tenso
     return joint, third
 
 
+def assert_follows_the_target(engine: Engine, params: SamplingParams, spec: SpecConfig) -> list:
+    """RUNS seeded runs of PROMPT through `engine`: the first two tokens' joint and the third's marginal must pass
+    chi-square against the target's own laws (exact_laws) -> every run's result."""
+    joint, third = exact_laws(engine.target.model, params)
+    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)  # [V, V], [V]
+    results = []
+    for seed in range(RUNS):
+        results.append(engine.complete(PROMPT, replace(params, seed=seed), spec))
+        a, b, c = results[-1].token_ids[:3]
+        pair_counts[a, b] += 1
+        third_counts[c] += 1
+    assert chi_square_passes(pair_counts, joint)
+    assert chi_square_passes(third_counts, third)
+    return results
+
+
 def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     """Pearson's test at ALPHA, cells expecting fewer than 5 draws pooled into one (the usual rule)."""
     test = chi_square(counts, probs, ALPHA)
@@ -91,26 +107,17 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting
     target = targets[target_kind]()
     engine = Engine(target, draft)
     params = SETTINGS[setting]
-    joint, third = exact_laws(target.model, params)
-    pair_counts, third_counts = torch.zeros(VOCAB, VOCAB), torch.zeros(VOCAB)
-    drafted, sources = 0, set()
     # The guard is not under test here, and per-step choice reads a clock that ticks per read: what is drafted
     # depends on the seed alone, never on the machine's load.
     spec = SpecConfig(method.removesuffix(":best"), num_draft_tokens=2, adaptive=False, guard=False,
                       combine="best" if method.endswith(":best") else "first")
     if method.endswith(":best"):
         engine.drafter(spec).clock = TickingClock()
-    for seed in range(RUNS):
-        result = engine.complete(PROMPT, replace(params, seed=seed), spec)
-        a, b, c = result.token_ids[:3]
-        pair_counts[a, b] += 1
-        third_counts[c] += 1
-        drafted += result.stats.drafted_tokens
-        sources |= set(result.stats.drafted_by)
+    results = assert_follows_the_target(engine, params, spec)
+    drafted = sum(result.stats.drafted_tokens for result in results)
+    sources = {method for result in results for method in result.stats.drafted_by}
     # Speculation really ran (n-gram drafts only on a match; per-step choice may also leave a step plain when no
     # member promises more, which on these tiny models, a draft as costly as the target, it often does).
     assert method == "none" or drafted > (RUNS // 4 if method.endswith(":best") else RUNS // 2)
     if method.endswith(":best"):
         assert sources == {"ngram", "draft"}  # the choice went both ways
-    assert chi_square_passes(pair_counts, joint)
-    assert chi_square_passes(third_counts, third)

@@ -42,22 +42,33 @@ def folders(tmp_path_factory):
                                                                                   scale=0.15, noise=0.01)
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(folders):
-    # A short context bounds how long any generated request runs; a short timeout bounds any hang.
-    engine = Engine(*(load_model(f, dtype="float32") for f in folders), SETTINGS.spec, context_limit=64)
-    settings = ServerSettings(MODEL, SETTINGS.spec, default_max_tokens=8, request_timeout=30.0)
+def running_server(folders, context_limit: int, request_timeout: float):
+    """The tiny pair served with the fuzz settings: the context bounds how long any generated request runs, the
+    timeout any hang. -> a generator for a module fixture (serves, then stops)."""
+    engine = Engine(*(load_model(f, dtype="float32") for f in folders), SETTINGS.spec, context_limit=context_limit)
+    settings = ServerSettings(MODEL, SETTINGS.spec, default_max_tokens=8, request_timeout=request_timeout)
     server = RunningServer(create_app(engine, settings))
     yield server
     server.stop()
 
 
+def generated_from(server, modes: list[str]):
+    """schemathesis over `server`'s own /openapi.json, generating in `modes`, every stream read to its end
+    (schemathesis stops at 20 events by default)."""
+    schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{server.port}/openapi.json")
+    schema.config.generation.update(modes=modes, max_examples=EXAMPLES, deterministic=EXAMPLES <= 25)
+    schema.config.max_stream_events = 10**6
+    return schema
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(folders):
+    yield from running_server(folders, context_limit=64, request_timeout=30.0)
+
+
 @pytest.fixture(scope="module")
 def published_schema(fuzzed_server):
-    schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{fuzzed_server.port}/openapi.json")
-    schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES,
-                                    deterministic=EXAMPLES <= 25)
-    return schema
+    return generated_from(fuzzed_server, ["positive", "negative"])
 
 
 fuzz_schema = schemathesis.pytest.from_fixture("published_schema")
@@ -78,19 +89,12 @@ def test_server_answers_every_generated_request_without_a_5xx(case):
 def roomy_server(folders):
     """The fuzzed server with room for the prompts a schema-valid request can bring (its context is what a
     token-id prompt and max_tokens are bounded by in the schema)."""
-    engine = Engine(*(load_model(f, dtype="float32") for f in folders), SETTINGS.spec, context_limit=320)
-    settings = ServerSettings(MODEL, SETTINGS.spec, default_max_tokens=8, request_timeout=60.0)
-    server = RunningServer(create_app(engine, settings))
-    yield server
-    server.stop()
+    yield from running_server(folders, context_limit=320, request_timeout=60.0)
 
 
 @pytest.fixture(scope="module")
 def valid_requests_schema(roomy_server):
-    schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{roomy_server.port}/openapi.json")
-    schema.config.generation.update(modes=["positive"], max_examples=EXAMPLES, deterministic=EXAMPLES <= 25)
-    schema.config.max_stream_events = 10**6  # read every stream to its end (schemathesis stops at 20 events)
-    return schema
+    return generated_from(roomy_server, ["positive"])
 
 
 valid_schema = schemathesis.pytest.from_fixture("valid_requests_schema")

@@ -64,15 +64,21 @@ def test_logits_match_transformers_whole_in_chunks_and_token_by_token(tmp_path, 
         assert close(ours, expected)
 
 
-def test_chunked_and_sequential_forms_agree():
-    generator = torch.Generator().manual_seed(0)
-    batch, rows, heads, key_dim, value_dim = 2, 150, 3, 8, 5
+def recurrence_inputs(seed: int, batch: int, rows: int, heads: int, key_dim: int, value_dim: int) -> tuple:
+    """Random inputs of the delta rule: q, k [B, T, H, dk] normalised, v [B, T, H, dv], log_decay, beta
+    [B, T, H], and the state before row 0 [B, H, dk, dv]."""
+    generator = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
     v = torch.randn(batch, rows, heads, value_dim, generator=generator)
     log_decay = -torch.rand(batch, rows, heads, generator=generator)
     beta = torch.rand(batch, rows, heads, generator=generator)
     state = torch.randn(batch, heads, key_dim, value_dim, generator=generator)
+    return q, k, v, log_decay, beta, state
+
+
+def test_chunked_and_sequential_forms_agree():
+    q, k, v, log_decay, beta, state = recurrence_inputs(0, batch=2, rows=150, heads=3, key_dim=8, value_dim=5)
     out, states = sequential_delta_rule(q, k, v, log_decay, beta, state, None)
     for chunk in (1, 7, 64, 200):
         chunked, final = chunked_delta_rule(q, k, v, log_decay, beta, state, chunk)
@@ -85,14 +91,8 @@ def test_the_compiled_recurrence_matches_the_pytorch_form_and_gives_each_row_the
     if (reason := w4a8_unavailable()) is not None:
         pytest.skip(f"the compiled kernels cannot run here: {reason}")
     fused = load_kernel().delta_rule
-    generator = torch.Generator().manual_seed(1)
-    batch, rows, heads, key_dim, value_dim = 2, 9, 3, 16, 24
-    q = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(batch, rows, heads, key_dim, generator=generator), dim=-1)
-    v = torch.randn(batch, rows, heads, value_dim, generator=generator)
-    log_decay = -torch.rand(batch, rows, heads, generator=generator)
-    beta = torch.rand(batch, rows, heads, generator=generator)
-    state = torch.randn(batch, heads, key_dim, value_dim, generator=generator)
+    rows = 9
+    q, k, v, log_decay, beta, state = recurrence_inputs(1, batch=2, rows=rows, heads=3, key_dim=16, value_dim=24)
     tree = torch.tensor([[-1, 0, 0, 1, 2, 4, 3, 6, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7]])
     for parents in (None, tree):
         expected, expected_states = sequential_delta_rule(q, k, v, log_decay, beta, state, parents, 2)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench_files import write_report
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
@@ -98,11 +98,9 @@ def main() -> int:
         speed = run["tokens"] / run["seconds"]
         cost = run["draft_seconds"] / max(1, run["drafted"]) / step
         lines.append(f"| {layers - n} | {speed:.1f} | {speed / plain_speed:.2f} | "
-                     f"{run['accepted'] / max(1, run['drafted']):.1%} | {cost:.2f} | {run['identical']}/{len(prompts)} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "draft_depth.json").write_text(json.dumps({"plain": plain, "runs": runs, "layers": layers}, indent=1))
-    (args.out / "draft_depth.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                     f"{run['accepted'] / max(1, run['drafted']):.1%} | {cost:.2f} | "
+                     f"{run['identical']}/{len(prompts)} |")
+    write_report(args.out, "draft_depth", {"plain": plain, "runs": runs, "layers": layers}, lines)
     return 0
 
 

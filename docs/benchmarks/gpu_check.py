@@ -24,16 +24,14 @@ It writes gpu_check.json and gpu_check.md into --out. Timings synchronise the de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from bench_files import save_model_folder, write_report
 
 SHAPES = {  # Qwen2 configurations; "1.5b" is the default target's
     "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
@@ -75,14 +73,7 @@ def write_random(folder: Path, shape: dict) -> Path:
         tensors.update({prefix + name: random(*dims) for name, dims in shapes.items()})
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             tensors[prefix + norm] = torch.ones(hidden, dtype=torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-    from conftest import byte_tokenizer
-
-    byte_tokenizer().save_pretrained(str(folder))
-    return folder
+    return save_model_folder(folder, config, tensors)
 
 
 class Clock:
@@ -145,6 +136,7 @@ def decoding(engine, tokens: int, clock: Clock) -> dict:
         forward_seconds.append(clock() - began)
         return out
 
+    # A fixed length (ignore_eos): random weights have no natural end to reach, and no drafting is timed here.
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prompt = random_ids(64, model.config.vocab_size, 3)
     engine.complete(prompt, SamplingParams(max_tokens=8, ignore_eos=True), SpecConfig("none"))  # warm up
@@ -228,7 +220,7 @@ def training(loaded, tokens: int, clock: Clock) -> dict:
             "training_tokens_per_second": done["train"] * settings.epochs / trained}  # tokens seen, every epoch
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict) -> list[str]:
     lines = [f"# GPU check: {report['device_name']}, {report['shape']} shape, bf16, random weights", "",
              f"torch {report['torch']}; {report['when']}", ""]
     lines += [f"- skipped: {reason}" for reason in report["skipped"]]
@@ -249,7 +241,7 @@ def markdown(report: dict) -> str:
         lines += ["", (f"train eagle3 ({train['tokens']} tokens, {train['epochs']} epochs): features "
                        f"{train['features_tokens_per_second']:.0f} tokens/s, head training "
                        f"{train['training_tokens_per_second']:.0f} tokens/s")]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> int:
@@ -287,11 +279,7 @@ def main() -> int:
         skipped.append("training (--no-train)")
     else:
         report["training"] = training(loaded, sizes["train_tokens"], clock)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (args.out / "gpu_check.md").write_text(text)
-    print(text)
+    write_report(args.out, "gpu_check", report, markdown(report))
     return 0
 
 

@@ -14,14 +14,12 @@ of --rounds repetitions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from bench_files import save_model_folder, write_report
 
 SHAPES = {
     "0.8b": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -54,15 +52,8 @@ def write_random(folder: Path, shape: dict) -> Path:
         else:
             spread = 1.0 / dims[-1] ** 0.5
             tensors[name] = (torch.randn(dims, generator=generator) * spread).to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.{k}" if not k.startswith("mtp.") else k: v for k, v in tensors.items()},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-    from conftest import byte_tokenizer  # a tokenizer is needed to load; these numbers never decode text
-
-    byte_tokenizer().save_pretrained(str(folder))
-    return folder
+    return save_model_folder(folder, config, {f"model.{k}" if not k.startswith("mtp.") else k: v
+                                              for k, v in tensors.items()})
 
 
 def timed(model, prompt: torch.Tensor, rows: int, window: int, rounds: int) -> tuple[float, float]:
@@ -150,10 +141,7 @@ def main() -> int:
         lines.append(f"| {rows} | {row['seconds'] * 1000:.1f} | {row['seconds'] / one:.2f} | {kept} | "
                      f"{row['rollback_seconds'] * 1000:.3f} | {row['rollback_seconds'] / row['seconds'] * 100:.2f} | "
                      f"{row['recurrence']['keep'] * 1000:.2f} | {row['recurrence']['recompute'] * 1000:.2f} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"hybrid-{args.shape}-{args.quant}.json").write_text(json.dumps(results, indent=1))
-    (args.out / f"hybrid-{args.shape}-{args.quant}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, f"hybrid-{args.shape}-{args.quant}", results, lines)
     return 0
 
 

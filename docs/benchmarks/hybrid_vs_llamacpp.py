@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_files import write_report
 from hybrid_costs import SHAPES, write_random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
@@ -146,10 +147,7 @@ def main() -> int:
     lines += ["", f"ours loaded as {loaded.quant}; greedy speculation against plain decoding, {args.tokens} tokens: "
               + "; ".join(f"{m} {'identical' if r['identical'] else 'DIFFERS'} ({r['accepted']}/{r['drafted']} "
                           "drafts accepted)" for m, r in identity.items())]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"vs-llamacpp-{args.shape}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"vs-llamacpp-{args.shape}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, f"vs-llamacpp-{args.shape}", result, lines)
     return 0
 
 

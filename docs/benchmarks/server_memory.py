@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_files import write_report
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -122,15 +124,13 @@ def main() -> int:
               "serve_args": args.serve_args, "resident_gib": {"start": start, "peak_under_requests": under_load,
                                                                "idle_after": idle},
               "budget_lines": budget, "results": results}
-    (args.out / "server_memory.json").write_text(json.dumps(report, indent=1))
     lines = [(f"# Server memory: {args.requests} streamed requests of max_tokens {args.max_tokens}, read for "
              f"{args.seconds:.0f} s, then dropped"), "", *[f"    {line}" for line in budget], "",
              "| when | resident GiB |", "|---|---:|", f"| at start, idle | {start:.2f} |",
              f"| peak under the requests | {under_load:.2f} |", f"| idle 15 s after they were dropped | {idle:.2f} |",
              "", "| request | status | chunks streamed |", "|---:|---:|---:|"]
     lines += [f"| {i} | {r['status']} | {r.get('chunks', r.get('answer', ''))} |" for i, r in enumerate(results)]
-    (args.out / "server_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "server_memory", report, lines)
     return 0
 
 

@@ -149,14 +149,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return await collect(job, shape, metrics, request)
 
     runnable = {}  # each method this server runs -> every name a request may give it
+    members = {}  # ... and the drafters whose options it takes (itself, or those `auto` stands for here)
     for method in runnable_methods(engine):
         cls = DRAFTERS[method["name"]]
         runnable[cls.name] = sorted({cls.name, *cls.aliases, *([cls.vllm_method] if cls.vllm_method else [])})
-    # "auto", and a request without a method (the server's default), take the options of the drafters they run.
-    members = {"default": list(engine.check_spec(settings.spec).methods)}
-    if "auto" in runnable:
-        members["auto"] = list(engine.check_spec(SpecConfig("auto")).methods)
-    publish_request_schemas(app, [completion_request, chat_request], runnable, members)
+        members[cls.name] = list(engine.check_spec(SpecConfig(cls.name)).methods)
+    default = list(engine.check_spec(settings.spec).methods)  # a request without a method: the server's own
+    publish_request_schemas(app, [completion_request, chat_request], runnable, members, default)
     return app
 
 

@@ -202,10 +202,11 @@ def request_body(model: type[BaseModel]) -> dict:
 
 
 def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods: dict[str, list[str]],
-                            members: dict[str, list[str]]) -> None:
+                            members: dict[str, list[str]], default: list[str]) -> None:
     """Add `models` (and the models they use) to /openapi.json's components, where request_body points.
     `methods`: each method this server can run (name -> the names it answers to), for `speculative`'s schema;
-    `members`: the drafters whose options a request may set with "auto", and with no method (the default)."""
+    `members`: each one's drafters, whose options a request naming it may set; `default`: those of a request
+    without a method (the server's default)."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -216,23 +217,27 @@ def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods
                                                 ref_template="#/components/schemas/{model}")
             definitions = definitions["$defs"]
             definitions["SpeculativeOverride"] = speculative_schema(definitions["SpeculativeOverride"], methods,
-                                                                    members)
+                                                                    members, default)
             components.update(definitions)
         return schema
 
     app.openapi = openapi
 
 
-def speculative_schema(override: dict, methods: dict[str, list[str]], members: dict[str, list[str]]) -> dict:
+def speculative_schema(override: dict, methods: dict[str, list[str]], members: dict[str, list[str]],
+                       default: list[str]) -> dict:
     """SpeculativeOverride's schema as the server checks it (drafters/registry.py), one variant per method this
     server can run, each with that method's options only (an option of another method is a 400; `auto` takes
     those of the drafters it stands for here), one without a method (the default's options), and one for a
     combination of methods ("ngram,draft"), published with the method and draft length only: the server also
     takes its members' options, which a schema cannot tie to the names in a string."""
-    options = all_options()
-    own = {name: [item for item, (cls, _) in options.items() if cls.name == name] for name in methods}
-    runnable = {name: [item for member in members.get(name, [name]) for item in own.get(member, [])]
-                for name in methods}
+    declared = {}  # drafter -> its options
+    for item, (cls, _) in all_options().items():
+        declared.setdefault(cls.name, []).append(item)
+
+    def options_of(drafters: list[str]) -> list[str]:
+        return [item for drafter in drafters for item in declared.get(drafter, [])]
+
     properties = override["properties"]
 
     def variant(method_schema: dict, option_names: list[str], required: bool) -> dict:
@@ -241,9 +246,8 @@ def speculative_schema(override: dict, methods: dict[str, list[str]], members: d
         return {"type": "object", "additionalProperties": False, "properties": chosen,
                 **({"required": ["method"]} if required else {})}
 
-    variants = [variant({"enum": names}, runnable[name], True) for name, names in methods.items()]
-    default = [item for member in members["default"] for item in own.get(member, [])]
-    variants.append(variant({"type": "null"}, default, False))
+    variants = [variant({"enum": names}, options_of(members[name]), True) for name, names in methods.items()]
+    variants.append(variant({"type": "null"}, options_of(default), False))
     pattern = "|".join(sorted(methods))
     variants.append(variant({"type": "string", "pattern": f"^({pattern})(,({pattern}))+$"}, [], True))
     return {"title": "SpeculativeOverride", "oneOf": variants,
