@@ -18,7 +18,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.auto_quant import choose_quant
 from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, pack_linears
-from specdecode.models.decoder.hybrid import build_model
+from specdecode.models.decoder.build import build_model
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
 from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer

@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.gemma_config import GemmaParts, check_text_only, gemma_parts, gemma_to_hf
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma4")
 # Hugging Face model types that are one of ours plus multi-token-prediction layers (decoder/mtp.py), or one of ours
 # under another name (Qwen 3.5's text-only and multimodal checkpoints; Qwen 3.6 dense ships as qwen3_5).
-MTP_ARCHITECTURES = {"mimo": "qwen2", "qwen3_5_text": "qwen3_5"}
+MTP_ARCHITECTURES = {"mimo": "qwen2", "qwen3_5_text": "qwen3_5", "gemma4_text": "gemma4"}
 MTP_LAYOUTS = ("deepseek", "mimo", "qwen3_5")  # tensor naming and concat order, see decoder/mtp.py
 # Known architectures we do not run, with why (inspect and load say it in one line).
 NOT_SUPPORTED = {"qwen3_5_moe": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented (the dense Qwen 3.5 "
@@ -18,7 +19,7 @@ NOT_SUPPORTED = {"qwen3_5_moe": "Qwen 3.5 MoE: the mixture-of-experts block is n
                  "qwen3_5_moe_text": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented",
                  "qwen35moe": "Qwen 3.5 MoE: the mixture-of-experts block is not implemented",
                  "qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     rotary_dim: int | None = None  # rope on the first rotary_dim of each head's dims (None: all of them)
     attn_output_gate: bool = False  # Qwen 3.5's attention multiplies its output by sigmoid of a second query
-    zero_centred_norms: bool = False  # RMSNorm weights w meaning x/rms(x) * (1 + w) (Qwen 3.5, Gemma)
+    zero_centred_norms: bool = False  # RMSNorm weights w meaning x/rms(x) * (1 + w) (Qwen 3.5)
+    gemma: GemmaParts | None = None  # a Gemma 4 trunk's own parts (gemma_config.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -94,6 +96,8 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
         self._check_hybrid()
+        if self.gemma is not None:
+            self.gemma.check(self.num_layers, self.layer_types)
 
     def _check_hybrid(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -123,6 +127,11 @@ class ModelConfig:
         return self.architecture == "qwen3_5"
 
     @property
+    def is_gemma(self) -> bool:
+        """Whether the trunk is Gemma 4's (decoder/gemma.py)."""
+        return self.gemma is not None
+
+    @property
     def recurrent_layers(self) -> tuple[int, ...]:
         """The indices of the Gated DeltaNet layers (their recurrent states live in recurrent_cache.py)."""
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
@@ -146,6 +155,9 @@ class ModelConfig:
         mixers = len(self.attention_layers) * attention + len(self.recurrent_layers) * recurrent
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         mtp = 2 * self.hidden_size * self.hidden_size + attention + mlp  # eh_proj and the block (norms aside)
+        if self.gemma is not None:  # PLE: a table and, per layer, a gate and a projection back
+            ple = self.gemma.per_layer_size * (self.gemma.per_layer_vocab + 3 * self.hidden_size) * self.num_layers
+            return embeddings + mixers + self.num_layers * mlp + ple
         return embeddings + mixers + self.num_layers * mlp + self.mtp_layers * mtp
 
     @classmethod
@@ -165,6 +177,8 @@ class ModelConfig:
             raise SpecDecodeError(unsupported_message(arch or str(hf.get("architectures"))))
         if arch == "qwen3_5":
             return cls._qwen3_5(hf)
+        if arch == "gemma4":
+            return cls._gemma4(hf)
         num_heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
         use_window = hf.get("use_sliding_window", arch == "mistral")
@@ -223,6 +237,26 @@ class ModelConfig:
             linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4), rotary_dim=int(head_dim * partial) // 2 * 2,
             attn_output_gate=True, zero_centred_norms=True)
 
+    @classmethod
+    def _gemma4(cls, hf: dict) -> ModelConfig:
+        """Gemma 4's text trunk (gemma_config.py); its sizes of the sliding layers are the top-level ones."""
+        check_text_only(hf)
+        num_heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+        layer_types = list(hf.get("layer_types") or [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)])
+        layer_types[-1] = "full_attention"  # as transformers forces it
+        if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise SpecDecodeError(f"config: unsupported Gemma 4 activation {hf['hidden_activation']!r}")
+        return cls(
+            architecture="gemma4", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=hf.get("head_dim", 256),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+            qk_norm=True, bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf),
+            layer_types=tuple(layer_types), gemma=gemma_parts(hf, layer_types))
+
     def to_hf(self) -> dict:
         """The config.json we write next to converted weights, readable by transformers too."""
         hf = {
@@ -248,6 +282,9 @@ class ModelConfig:
         }
         if self.architecture != "qwen2":
             hf["attention_bias"] = self.qkv_bias
+        if self.gemma is not None:
+            hf.update(gemma_to_hf(self.gemma, self.layer_types, self.head_dim, self.num_kv_heads))
+            return hf
         if self.is_hybrid:
             hf.update(model_type="qwen3_5_text", layer_types=list(self.layer_types),
                       linear_num_key_heads=self.linear_num_key_heads,
@@ -300,6 +337,7 @@ _HF_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 
 

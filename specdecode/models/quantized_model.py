@@ -28,7 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.hybrid import build_model
+from specdecode.models.decoder.build import build_model
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.formats.default_models import cache_dir

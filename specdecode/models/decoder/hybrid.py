@@ -16,7 +16,6 @@ from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCent
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.recurrent_cache import HybridCache
 from specdecode.models.decoder.transformer import Transformer
-from specdecode.models.heap import keep_freed_heap
 from specdecode.models.model_config import ModelConfig
 
 
@@ -62,11 +61,3 @@ def tree_parents(mask: torch.Tensor, new: int) -> torch.Tensor:
     index = torch.arange(new, device=mask.device)
     before = own & (index.view(1, 1, new) < index.view(1, new, 1))  # [B, T, T] visible earlier rows
     return (before.long() * (index + 1).view(1, 1, new)).amax(-1) - 1  # [B, T]
-
-
-def build_model(config: ModelConfig) -> Transformer:
-    """The trunk a config describes, its weights not loaded (call under torch.device("meta") to allocate none)."""
-    if not config.is_hybrid:
-        return Transformer(config)
-    keep_freed_heap()  # its per-row states are freed and allocated again every step (heap.py)
-    return HybridTransformer(config)

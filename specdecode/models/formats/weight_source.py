@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats import gguf_qwen35
+from specdecode.models.formats.gemma_names import NOT_TEXT_PREFIXES, gemma_shapes, gemma_sources, unread_names
 from specdecode.models.formats.gguf_convert import (
     config_from_gguf,
     dequantize_tensor,
@@ -42,6 +43,8 @@ def parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
     """
     if config.is_hybrid:
         return hybrid_sources(config)
+    if config.is_gemma:
+        return gemma_sources(config)
     sources = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
@@ -132,8 +135,9 @@ def matching_sources(weights: FolderWeights | GGUFWeights, where: Path, config: 
     missing = sorted(needed - available)
     # A tied head stored anyway is harmless (and a multimodal checkpoint's vision tower, which is not read);
     # anything else unused means a different model.
-    unexpected = sorted(name for name in available - needed - {"lm_head.weight", "rope_freqs"}
-                        - _mtp_shared_copies(config) if not name.startswith(VISION_PREFIX))
+    unread = unread_names(config) if config.is_gemma else set()
+    unexpected = sorted(name for name in available - needed - {"lm_head.weight", "rope_freqs"} - unread
+                        - _mtp_shared_copies(config) if not name.startswith((VISION_PREFIX, *NOT_TEXT_PREFIXES)))
     if missing or unexpected:
         raise SpecDecodeError(
             f"{where}: weights do not match a {config.architecture} model"
@@ -159,6 +163,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name (without "model.") -> the shape the config implies for it."""
     if config.is_hybrid:
         return hybrid_shapes(config)
+    if config.is_gemma:
+        return gemma_shapes(config)
     hidden, inner, head = config.hidden_size, config.intermediate_size, config.head_dim
     q_size, kv_size = config.num_heads * head, config.num_kv_heads * head
     shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),

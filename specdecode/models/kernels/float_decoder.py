@@ -73,6 +73,8 @@ def fix_float_layers(model: Transformer) -> str | None:
     -> None when replaced, else why not (the PyTorch layers stay)."""
     if model.config.is_hybrid:
         return fix_hybrid_layers(model)
+    if model.config.is_gemma:
+        return "Gemma 4's layers run on PyTorch's attention and matmuls"
     if model.device.type != "cpu" or model.dtype not in _DTYPES:
         return f"the fixed-order layers run on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
     if model.config.head_dim % 16:

@@ -53,6 +53,8 @@ def fuse_layers(model: Transformer) -> None:
     if config.is_hybrid:  # its own layers; the attention kernel where the matmuls allow (hybrid_kernels.py)
         fix_hybrid_layers(model)
         return
+    if config.is_gemma:  # its layers run their w4a8 matmuls from PyTorch
+        return
     linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
     if not linears or not all(isinstance(m, W4A8Linear) for m in linears):
         return

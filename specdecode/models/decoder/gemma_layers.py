@@ -1,0 +1,162 @@
+"""Gemma 4's decoder block and its parts (the trunk is gemma.py; what each part does is in gemma_config.py).
+
+A layer that computes keys and values writes them to its slot of the KV cache; a KV-shared layer reads the slot
+of the last earlier layer of its kind (`cache_layer`) and writes nothing. Sliding and full layers may differ in
+head size and KV heads: the cache is sized for the larger, and each layer uses the leading part of its slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.decoder.rope import apply_rope
+from specdecode.models.gemma_config import layer_shape
+from specdecode.models.model_config import ModelConfig
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * w, all in float32 and cast back once (Gemma 4's weights are not zero-centred); without a
+    weight for the values' norm."""
+
+    def __init__(self, dim: int, eps: float, with_weight: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            x32 = x32 * self.weight.float()
+        return x32.to(x.dtype)
+
+
+def cache_layers(config: ModelConfig) -> list[int]:
+    """Each layer's slot in the KV cache: its own below the first KV-shared layer, else the last earlier slot of
+    its kind."""
+    first_shared = config.gemma.first_shared(config.num_layers)
+    slots = list(range(first_shared))
+    for kind in config.layer_types[first_shared:]:
+        slots.append(max(i for i in range(first_shared) if config.layer_types[i] == kind))
+    return slots
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kind: str, shares_kv: bool):
+        super().__init__()
+        self.kind = kind
+        self.num_heads = config.num_heads
+        self.num_kv_heads, self.head_dim = layer_shape(config, kind)
+        self.shares_kv = shares_kv
+        # Full layers with attention_k_eq_v have no value projection: the keys' projection is the value.
+        self.values_from_keys = config.gemma.attention_k_eq_v and kind == "full_attention"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        eps, bias = config.rms_norm_eps, config.qkv_bias
+        if shares_kv:
+            self.q = nn.Linear(config.hidden_size, q_size, bias=bias)
+        else:  # q, k (and v) in one matmul
+            self.qkv = nn.Linear(config.hidden_size, q_size + kv_size * (1 if self.values_from_keys else 2), bias=bias)
+            self.k_norm = GemmaRMSNorm(self.head_dim, eps)
+            self.v_norm = GemmaRMSNorm(self.head_dim, eps, with_weight=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
+        self.o = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, 1, T, D/2] this layer kind's rope
+        sin: torch.Tensor,  # [B, 1, T, D/2]
+        cache: KVCache | CacheBatch,
+        slot: int,  # this layer's (or the layer it shares with) slot in the cache
+        mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
+    ) -> torch.Tensor:
+        batch, new, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.shares_kv:
+            q = self.q(x)
+            keys, values = cache.read(slot, new, kv_heads, dim)  # [B, Hkv, S, D] each
+        else:
+            q, k, v = self._project(x)
+            k = apply_rope(self.k_norm(k), cos, sin)  # [B, Hkv, T, D]
+            keys, values = cache.write(slot, k, self.v_norm(v))  # [B, Hkv, S, D] each
+        q = apply_rope(self.q_norm(q.view(batch, new, heads, dim).transpose(1, 2)), cos, sin)  # [B, H, T, D]
+        return self.o(attend(q, keys, values, mask))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q [B, T, H*D], k and v [B, Hkv, T, D] (v is k before its norm where values come from keys)."""
+        batch, new, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = self.qkv(x).split([q_size, kv_size] + ([] if self.values_from_keys else [kv_size]), dim=-1)
+        q, k = parts[0], parts[1].view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = k if self.values_from_keys else parts[2].view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, T, D] over keys and values [B, Hkv, S, D], scaled by 1 (Gemma's q and k norms set the scale) ->
+    [B, T, H*D]. Grouped-query attention folds each KV head's query group into the query length (no K/V copy)."""
+    batch, heads, new, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = q.reshape(batch, kv_heads, group * new, dim)  # [B, Hkv, G*T, D]
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, 1, group * new, -1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)  # [B, Hkv, G*T, D]
+    return out.reshape(batch, heads, new, dim).transpose(1, 2).reshape(batch, new, heads * dim)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each
+        return self.down(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    rope_dtype: torch.dtype | None = None  # as DecoderLayer's: the model's dtype
+
+    def __init__(self, config: ModelConfig, index: int, per_layer_size: int | None = None):
+        """`per_layer_size`: the PLE width (None: the config's; an assistant's layers have none)."""
+        super().__init__()
+        parts, eps = config.gemma, config.rms_norm_eps
+        self.kind = config.layer_types[index]
+        shares_kv = index >= parts.first_shared(config.num_layers)
+        self.attn_norm = GemmaRMSNorm(config.hidden_size, eps)
+        self.attn = GemmaAttention(config, self.kind, shares_kv)
+        self.post_attn_norm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp_norm = GemmaRMSNorm(config.hidden_size, eps)
+        wide = 2 if parts.double_wide_mlp and shares_kv else 1
+        self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size * wide)
+        self.post_mlp_norm = GemmaRMSNorm(config.hidden_size, eps)
+        size = parts.per_layer_size if per_layer_size is None else per_layer_size
+        if size:
+            self.ple_gate = nn.Linear(config.hidden_size, size, bias=False)
+            self.ple_projection = nn.Linear(size, config.hidden_size, bias=False)
+            self.ple_norm = GemmaRMSNorm(config.hidden_size, eps)
+        self.has_ple = bool(size)
+        self.layer_scalar = nn.Parameter(torch.ones(1))  # [1] the whole layer's output scale
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden] the residual stream
+        cos: torch.Tensor,  # [B, 1, T, D/2] this layer kind's rope
+        sin: torch.Tensor,  # [B, 1, T, D/2]
+        cache: KVCache | CacheBatch,
+        slot: int,  # the cache slot this layer writes or reads
+        mask: torch.Tensor | None,  # [B, 1, T, S] bool for this layer's kind
+        per_layer_input: torch.Tensor | None = None,  # [B, T, P] this layer's PLE vector
+    ) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, cache, slot, mask))
+        x = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+        if self.has_ple:
+            gated = F.gelu(self.ple_gate(x), approximate="tanh") * per_layer_input  # [B, T, P]
+            x = x + self.ple_norm(self.ple_projection(gated))
+        return x * self.layer_scalar

@@ -1,0 +1,92 @@
+"""Gemma 4's text trunk (models/decoder/gemma.py) against transformers' Gemma4ForCausalLM on tiny random configs:
+every part at once (PLE, KV-shared layers with the double-wide MLP, full layers with their own head size, KV
+heads and values from keys, proportional rope, a sliding window shorter than the prompt, soft-capped logits),
+none of them, and the multimodal checkpoint's layout. Logits agree within 1e-4 (float32, softcap 30)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gemma_reference import PLAIN, reference_model, save_gemma
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.gemma import GemmaTransformer
+from specdecode.models.loader import load_model, read_config
+
+TOLERANCE = 1e-4
+PROMPT = 20  # tokens: more than twice the sliding windows
+
+
+@pytest.fixture(scope="module", params=["full_featured", "plain", "multimodal"])
+def gemma_folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"gemma-{request.param}")
+    overrides = PLAIN if request.param == "plain" else {}
+    return save_gemma(folder, multimodal=request.param == "multimodal", **overrides)
+
+
+def prompt_ids(length: int = PROMPT) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(3))  # [1, T]
+
+
+def test_logits_match_transformers(gemma_folder):
+    ours = load_model(gemma_folder, dtype="float32", quant="none").model
+    assert isinstance(ours, GemmaTransformer)
+    ids = prompt_ids()
+    with torch.inference_mode():
+        reference = reference_model(gemma_folder)(ids).logits  # [1, T, V]
+        logits = ours(ids, torch.arange(PROMPT).unsqueeze(0), ours.new_cache(PROMPT)).logits
+    assert (logits - reference).abs().max() < TOLERANCE
+
+
+def test_decoding_a_token_at_a_time_matches_one_forward(gemma_folder):
+    """The cache (sliding and full slots, the KV-shared layers reading theirs) gives each new token the keys and
+    values one forward over the whole sequence gives it."""
+    ours = load_model(gemma_folder, dtype="float32", quant="none").model
+    ids = prompt_ids()
+    with torch.inference_mode():
+        whole = ours(ids, torch.arange(PROMPT).unsqueeze(0), ours.new_cache(PROMPT)).logits
+        cache = ours.new_cache(PROMPT)
+        rows = [ours(ids[:, :7], torch.arange(7).unsqueeze(0), cache).logits]
+        for t in range(7, PROMPT):
+            rows.append(ours(ids[:, t : t + 1], torch.tensor([[t]]), cache).logits)
+    assert (torch.cat(rows, dim=1) - whole).abs().max() < TOLERANCE
+
+
+def test_the_final_hidden_state_is_what_the_head_reads(gemma_folder):
+    ours = load_model(gemma_folder, dtype="float32", quant="none").model
+    ids = prompt_ids(6)
+    with torch.inference_mode():
+        out = ours(ids, torch.arange(6).unsqueeze(0), ours.new_cache(6), final_hidden=True)
+        assert torch.allclose(ours.soft_cap(ours.lm_head(out.final_hidden).float()), out.logits)
+
+
+def test_w4a8_follows_the_float_model(tmp_path):
+    """The w4a8 build quantizes every linear layer (PLE's among them) and runs close to float: the same top
+    token at most positions of a random model."""
+    from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
+
+    if (reason := w4a8_unavailable()) is not None:
+        pytest.skip(f"w4a8 cannot run here: {reason}")
+    folder = save_gemma(tmp_path / "g", hidden_size=128, intermediate_size=256, hidden_size_per_layer_input=32)
+    ids = prompt_ids()
+    positions = torch.arange(PROMPT).unsqueeze(0)
+    with torch.inference_mode():
+        float_model = load_model(folder, dtype="float32", quant="none").model
+        quantized = load_model(folder, dtype="bfloat16", quant="w4a8").model
+        expected = float_model(ids, positions, float_model.new_cache(PROMPT)).logits.argmax(-1)
+        got = quantized(ids, positions, quantized.new_cache(PROMPT)).logits.argmax(-1)
+    assert (expected == got).float().mean() >= 0.8
+
+
+def test_the_config_is_read_from_either_naming(gemma_folder):
+    config = read_config(gemma_folder)
+    assert config.architecture == "gemma4" and config.is_gemma
+    assert config.gemma.sliding_window in (5, 8)
+
+
+def test_a_mixture_of_experts_gemma_is_one_clear_error(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "enable_moe_block": True}))
+    with pytest.raises(SpecDecodeError, match="mixture-of-experts"):
+        read_config(tmp_path)
