@@ -73,3 +73,54 @@ def reference_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+ASSISTANT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                 vocab_size_per_layer_input=0, use_double_wide_mlp=False, final_logit_softcapping=None)
+
+
+def save_assistant(folder: Path, target: Path, seed: int = 1, scale: float = 0.3, centroids: int = 0,
+                   follow: bool = False) -> Path:
+    """A random Gemma4AssistantForCausalLM for the target saved in `target` (its sizes: backbone hidden, the KV
+    shapes of each layer kind, vocabulary). `centroids` > 0: the ordered-embedding head with that many clusters
+    (top 2 scored). `follow`: it mostly repeats the target's own last prediction (its width the target's,
+    pre_projection passing the hidden state through, layers that add little, the target's embedding as its output head),
+    which a tiny random target's repetitive output often accepts."""
+    from safetensors.torch import load_file
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    target_config = json.loads((target / "config.json").read_text())
+    target_config = target_config.get("text_config", target_config)
+    keep = ("vocab_size", "num_key_value_heads", "head_dim", "sliding_window", "rope_parameters",
+            "attention_k_eq_v", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+            "rms_norm_eps")
+    text = {key: target_config[key] for key in keep if key in target_config}
+    full_layer = next(i for i, kind in enumerate(ASSISTANT["layer_types"]) if kind == "full_attention")
+    target_full = next(i for i, kind in enumerate(target_config["layer_types"]) if kind == "full_attention")
+    per_layer = (target_config.get("per_layer_config") or {}).get(str(target_full))
+    text["per_layer_config"] = {str(full_layer): per_layer} if per_layer else {}
+    backbone = target_config["hidden_size"]
+    sizes = {**ASSISTANT, "hidden_size": backbone} if follow else ASSISTANT
+    config = Gemma4AssistantConfig(
+        text_config=text_config(**{**text, **sizes}).to_dict(), backbone_hidden_size=backbone,
+        use_ordered_embeddings=bool(centroids), num_centroids=centroids or 2048, centroid_intermediate_top_k=2)
+    model = Gemma4AssistantForCausalLM(config)
+    randomise(model, seed, scale)
+    if centroids:
+        order = torch.randperm(config.text_config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        model.masked_embedding.token_ordering.copy_(order)
+    if follow:
+        embedding = next(v for k, v in load_file(str(target / "model.safetensors")).items()
+                         if k.endswith("embed_tokens.weight"))
+        with torch.no_grad():
+            model.pre_projection.weight.mul_(0.01)
+            model.pre_projection.weight[:, backbone:] += torch.eye(backbone)
+            model.post_projection.weight.copy_(torch.eye(backbone))
+            for layer in model.model.layers:  # the sandwich norms set what each block adds
+                layer.post_attention_layernorm.weight.mul_(0.05)
+                layer.post_feedforward_layernorm.weight.mul_(0.05)
+            model.model.embed_tokens.weight.copy_(embedding)
+            model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(str(folder))
+    return folder

@@ -12,6 +12,9 @@ their rows of the current draft. Rows of a draft are dropped at commit.
 order learnt, most frequent first) plus the end-of-turn tokens: the output head, most of a one-layer module's
 cost on a CPU, shrinks to those rows. Verification still uses the full head, so the output cannot change.
 
+A Gemma 4 target ships its MTP as an assistant model beside it instead (drafters/gemma_assistant.py): `create`
+hands over to that drafter when it finds one.
+
 In a batched step (the server's), the requests drafting with the same modules share each forward, catch-up and
 drafted positions alike, where the modules are batch-invariant: every matmul w4a8, attention in the fixed-order
 kernel (models/batch_invariance.py). Each request then drafts bit for bit what it drafts alone.
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.gemma_assistant import GemmaAssistantDrafter, assistant_path
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
@@ -88,6 +92,9 @@ class MTPDrafter(Drafter):
     def found_for(cls, resources: DrafterResources) -> str | None:
         if resources.target.config.mtp_layers:
             return "the target ships MTP layers"
+        assistant = assistant_path(resources)
+        if assistant is not None:
+            return f"the Gemma 4 assistant {assistant}"
         path = _companion_path(resources)
         return None if path is None else f"MTP layers in {path}"
 
@@ -95,13 +102,15 @@ class MTPDrafter(Drafter):
     def check_resources(cls, resources: DrafterResources) -> None:
         """Its layers come inside the target or in a companion file (--draft-head optional): the target's config
         and the companion's path say whether there can be any, without reading them (`create` reads them)."""
-        if not resources.target.config.mtp_layers and _companion_path(resources) is None:
+        if cls.found_for(resources) is None:
             raise SpecDecodeError(_no_mtp_layers(resources))
 
     @classmethod
-    def create(cls, resources: DrafterResources, options: MTPOptions) -> MTPDrafter:
+    def create(cls, resources: DrafterResources, options: MTPOptions) -> Drafter:
         model = resources.target.model
         config = model.config
+        if not config.mtp_layers and assistant_path(resources) is not None:
+            return GemmaAssistantDrafter.create(resources)  # Gemma 4 ships its MTP as an assistant model
         companion = _companion(resources)
         if not config.mtp_layers and companion is None:
             raise SpecDecodeError(_no_mtp_layers(resources))
@@ -194,7 +203,8 @@ def _no_mtp_layers(resources: DrafterResources) -> str:
     dropped = (f"; its config declares {config.mtp_declared} but the weights do not hold them (a conversion or "
                "quantized upload dropped them)") if config.mtp_declared else ""
     return (f"method 'mtp' needs a model that ships MTP layers, and {resources.target.name} has none{dropped}, nor "
-            "an MTP companion file (llama.cpp's mtp-NAME.gguf) beside it or given with --draft-model; `specdecode "
+            "an MTP companion file (llama.cpp's mtp-NAME.gguf) or a Gemma 4 assistant folder beside it or given with "
+            "--draft-model; `specdecode "
             "inspect MODEL` lists what a model can use, and `specdecode train mtp` trains them onto a model")
 
 

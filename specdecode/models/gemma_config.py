@@ -40,11 +40,12 @@ class GemmaParts:
     global_rotary_fraction: float  # "proportional" rope: the share of each head's frequencies that rotate
 
     def check(self, num_layers: int, layer_types: tuple[str, ...]) -> None:
-        if not 0 <= self.kv_shared_layers < num_layers:
-            raise SpecDecodeError(f"config: num_kv_shared_layers must be from 0 to {num_layers - 1}, got "
+        if not 0 <= self.kv_shared_layers <= num_layers:
+            raise SpecDecodeError(f"config: num_kv_shared_layers must be from 0 to {num_layers}, got "
                                   f"{self.kv_shared_layers}")
+        # Every layer shared: an assistant's, reading the target's keys and values.
         producing = set(layer_types[: num_layers - self.kv_shared_layers])
-        if producing != set(layer_types):
+        if self.kv_shared_layers < num_layers and producing != set(layer_types):
             raise SpecDecodeError("config: every layer kind the KV-shared layers read must have a layer before them "
                                   "that computes its keys and values")
         for name in ("sliding_window", "global_head_dim", "global_kv_heads"):

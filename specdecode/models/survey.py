@@ -25,7 +25,8 @@ _MTP_PATTERNS = {
     "qwen3.5": re.compile(r"mtp\.layers\.(\d+)\."),
 }
 # A drafter folder's kind by its config.json's architectures or speculators type (drafter-formats.md section 1).
-_DRAFTER_KINDS = (("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"), ("medusa", "medusa"))
+_DRAFTER_KINDS = (("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"), ("medusa", "medusa"),
+                  ("gemma4_assistant", "gemma4assistant"))
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _indices(names: set[str], pattern: re.Pattern, offset: int = 0) -> int:
 
 
 def drafter_kind(folder: Path) -> str | None:
-    """"eagle3", "dflash", "dspark" or "medusa" when `folder` holds such a drafter (by its config.json), else None."""
+    """"eagle3", "dflash", "dspark", "medusa" or "gemma4_assistant" when `folder` holds such a drafter (by its config.json), else None."""
     try:
         hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):

@@ -1,0 +1,108 @@
+"""A Gemma 4 assistant folder (transformers' layout: config.json of model_type gemma4_assistant with a text_config,
+and safetensors) -> heads/gemma_assistant.py's module, checked against the target it drafts for.
+
+Stored names (without "model."): layers.N.* (queries, output, norms, MLP, layer_scalar: every layer reads the
+target's keys and values), norm, embed_tokens (the output head, tied) or lm_head, pre_projection,
+post_projection, and with ordered embeddings masked_embedding.{centroids.weight, token_ordering}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
+from specdecode.models.formats.gemma_names import layer_sources
+from specdecode.models.formats.weight_source import FolderWeights, stacked
+from specdecode.models.gemma_config import layer_shape
+from specdecode.models.model_config import ModelConfig
+
+WHAT = "a Gemma 4 assistant"
+
+
+def is_assistant_folder(path: Path) -> bool:
+    """Whether `path` is a folder whose config.json says gemma4_assistant."""
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        return read_drafter_config(path, WHAT).get("model_type") == "gemma4_assistant"
+    except SpecDecodeError:
+        return False
+
+
+def assistant_config(hf: dict) -> ModelConfig:
+    """The assistant's own config: its text_config, every layer reading keys and values from outside."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise SpecDecodeError(f"{WHAT}'s config.json needs a text_config")
+    text = {**text, "model_type": "gemma4_text", "num_kv_shared_layers": text.get("num_hidden_layers")}
+    return ModelConfig.from_hf({"tie_word_embeddings": hf.get("tie_word_embeddings", True)} | text)
+
+
+def load_assistant(folder: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str):
+    """-> (GemmaAssistant in `dtype` on `device`, its linear layers in `quant` (--draft-quant), a line saying what
+    was loaded). One error where it was made for another target."""
+    from specdecode.models.heads.gemma_assistant import GemmaAssistant
+    from specdecode.models.kernels.quantize_module import quantize_linears
+
+    hf = read_drafter_config(folder, WHAT)
+    config = assistant_config(hf)
+    _check_fits(folder, hf, config, target)
+    centroids = hf.get("num_centroids", 2048) if hf.get("use_ordered_embeddings") else 0
+    model = GemmaAssistant(config, target.hidden_size, centroids, hf.get("centroid_intermediate_top_k", 32))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SpecDecodeError(f"{folder}: {WHAT} folder needs its *.safetensors weights")
+    weights = FolderWeights(files)
+    load_checked(model, _state(weights, config, centroids), folder, "assistant")
+    model.to(dtype=dtype, device=device).requires_grad_(False)
+    # The centroid head gathers rows of the output head: that one stays float.
+    quantized = sum(quantize_linears(part, quant) for part in (model.layers, model.pre_projection,
+                                                                 model.post_projection))
+    if not centroids:
+        quantized += quantize_linears(model.lm_head, quant)
+    model.finish_loading()
+    head = f"a centroid head ({centroids} clusters, top {model.top_clusters})" if centroids else "its full output head"
+    return model.eval(), (f"Gemma 4 assistant {folder.name}: {config.num_layers} layers of width {config.hidden_size}, "
+                          f"{head}" + (f", {quantized} layers in {quant}" if quantized else ""))
+
+
+def _state(weights: FolderWeights, config: ModelConfig, centroids: int) -> dict[str, torch.Tensor]:
+    names = weights.names()
+    sources = {"pre_projection.weight": ["pre_projection.weight"], "post_projection.weight": ["post_projection.weight"],
+               "norm.weight": ["norm.weight"],
+               "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in names else "embed_tokens.weight"]}
+    for i in range(config.num_layers):
+        sources.update(layer_sources(f"layers.{i}.", f"layers.{i}.", config, i, ple=False))
+    if centroids:
+        sources.update({"centroids.weight": ["masked_embedding.centroids.weight"],
+                        "token_ordering": ["masked_embedding.token_ordering"]})
+    missing = sorted(name for parts in sources.values() for name in parts if name not in names)
+    if missing:
+        raise SpecDecodeError(f"{WHAT} lacks {', '.join(missing[:3])}")
+    state = {ours: stacked(weights, theirs) for ours, theirs in sources.items()}
+    if "token_ordering" in state:
+        state["token_ordering"] = state["token_ordering"].long()
+    return state
+
+
+def _check_fits(folder: Path, hf: dict, config: ModelConfig, target: ModelConfig) -> None:
+    """The assistant reads the target's hidden state, embedding and KV cache: their sizes must be its own."""
+    if not target.is_gemma:
+        raise SpecDecodeError(f"{folder} is {WHAT}: it drafts for a Gemma 4 target, not {target.architecture}")
+    differing = []
+    if hf.get("backbone_hidden_size", 1536) != target.hidden_size:
+        differing.append(f"backbone_hidden_size {hf.get('backbone_hidden_size', 1536)} against the target's hidden "
+                         f"size {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        differing.append(f"vocabulary {config.vocab_size} against {target.vocab_size}")
+    for kind in sorted(set(config.layer_types)):
+        if layer_shape(config, kind) != layer_shape(target, kind):
+            differing.append(f"{kind} layers' (KV heads, head size) {layer_shape(config, kind)} against "
+                             f"{layer_shape(target, kind)}")
+    if config.num_heads % layer_shape(target, "full_attention")[0] or config.num_heads % target.num_kv_heads:
+        differing.append(f"{config.num_heads} query heads do not group over the target's KV heads")
+    if differing:
+        raise SpecDecodeError(f"{folder} is {WHAT} for another model: {'; '.join(differing)}")
