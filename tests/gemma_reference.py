@@ -38,18 +38,24 @@ def text_config(**overrides):
     return Gemma4TextConfig(**{**FULL_FEATURED, **overrides})
 
 
-def randomise(model: torch.nn.Module, seed: int, scale: float) -> None:
-    """Random weights that make a tiny model's output depend on every part (norm weights near 1)."""
+def randomise(model: torch.nn.Module, seed: int, scale: float, noise: float = 0.0) -> None:
+    """Random weights that make a tiny model's output depend on every part (norm weights near 1); `noise`
+    perturbs them with a generator of its own (a noisy copy: a draft that agrees with the seed's model often)."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             param.normal_(0, scale) if param.dim() > 1 else param.uniform_(0.8, 1.2)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.uniform_(0.7, 1.1)
+        if noise:
+            generator = torch.Generator().manual_seed(seed + 1000)
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * noise)
 
 
-def save_gemma(folder: Path, seed: int = 0, scale: float = 0.3, multimodal: bool = False, **overrides) -> Path:
+def save_gemma(folder: Path, seed: int = 0, scale: float = 0.3, multimodal: bool = False, noise: float = 0.0,
+               **overrides) -> Path:
     """A random Gemma 4 text model in transformers' layout (or the multimodal one) with the byte tokenizer."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4VisionConfig
 
@@ -61,7 +67,7 @@ def save_gemma(folder: Path, seed: int = 0, scale: float = 0.3, multimodal: bool
                                                             vision_config=vision.to_dict(), audio_config=None))
     else:
         model = Gemma4ForCausalLM(config)
-    randomise(model, seed, scale)
+    randomise(model, seed, scale, noise)
     model.save_pretrained(str(folder))
     byte_tokenizer().save_pretrained(str(folder))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))

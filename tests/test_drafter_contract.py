@@ -9,9 +9,10 @@ new drafter is held to it the day it registers:
 - one Engine serves interleaved requests: each output is what it is alone, each request's state goes at finish;
 - a prompt read in chunks (as the server reads one between batched steps) decodes as one read whole.
 
-Every test runs over two targets: a Llama-family one (Qwen2) and a hybrid one (Qwen 3.5: Gated DeltaNet layers
-whose recurrent states roll back), each shipping its own MTP module; the draft model is a Qwen2 for both (a hybrid
-draft model is tested in test_hybrid_engine.py: it drafts chains only).
+Every test runs over three targets: a Llama-family one (Qwen2), a hybrid one (Qwen 3.5: Gated DeltaNet layers
+whose recurrent states roll back) and Gemma 4 (sliding and full layers, KV-shared layers, per-layer embeddings),
+each shipping its own MTP (Gemma 4's as an assistant model beside it); the draft model is a Qwen2 (a noisy copy of the
+target for Gemma 4; a hybrid draft model is tested in test_hybrid_engine.py: it drafts chains only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from batched_runs import run_batched
 from conftest import TINY_VOCAB, save_tiny_model, started
 from dflash_drafters import write_random_dflash, write_random_dspark
 from eagle3_reference import head_config, random_head, write_head
+from gemma_reference import save_assistant, save_gemma
 from hybrid_reference import add_hybrid_mtp
 from mtp_reference import add_mtp_layers
 from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
@@ -91,19 +93,25 @@ def target_with_mtp(folder, arch: str, **overrides):
     """A tiny target of `arch` shipping one MTP module that mostly repeats the trunk's prediction."""
     if arch == "qwen3_5":  # at 0.3 its greedy output repeats itself enough for n-grams to be accepted
         add_hybrid_mtp(save_tiny_model(folder, arch, scale=0.3, **overrides), follow=1.0)
+    elif arch == "gemma4":  # its assistant beside it, as Google ships them; at 0.2 its output repeats now and then
+        save_assistant(folder.parent / f"{folder.name}-assistant", save_gemma(folder, scale=0.2, **overrides),
+                       follow=True)
     else:
         add_mtp_layers(save_tiny_model(folder, arch, scale=0.15, **overrides), "deepseek", follow=1.0)
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5", "gemma4"])
 def pair(request, tmp_path_factory):
-    """The target (shipping an MTP module), a noisy Qwen2 as the draft model (for the Qwen2 target a noisy copy of
-    it), the target's folder, and the folders of drafters with weights of their own (an EAGLE-3 head, a DFlash
+    """The target (shipping an MTP module), a noisy Qwen2 as the draft model (for the Qwen2 and Gemma 4 targets a
+    noisy copy of it), the target's folder, and the folders of drafters with weights of their own (an EAGLE-3 head, a DFlash
     and a DSpark drafter) for it."""
     root = tmp_path_factory.mktemp(f"contract-{request.param}")
     target = load_model(target_with_mtp(root / "target", request.param), dtype="float32")
-    draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
+    if request.param == "gemma4":  # a noisy copy of it (a Qwen2's drafts it never accepts)
+        draft = load_model(save_gemma(root / "draft", scale=0.2, noise=0.01), dtype="float32")
+    else:
+        draft = load_model(save_tiny_model(root / "draft", "qwen2", scale=0.15, noise=0.01), dtype="float32")
     return target, draft, root / "target", drafter_folders(root, target, TINY_VOCAB)
 
 
@@ -146,11 +154,15 @@ def test_w4a8_target_output_is_bitwise_plain_decoding(w4a8_engine, method, optio
         assert result.token_ids == plain, f"{method} {options} diverged on {prompt!r} in bf16 w4a8"
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5", "gemma4"])
 def small_vocab_engine(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"contract-vocab8-{request.param}")
     if request.param == "qwen3_5":
         add_hybrid_mtp(save_tiny_model(root / "t", "qwen3_5", scale=0.6, vocab_size=VOCAB), follow=1.0)
+    elif request.param == "gemma4":  # small weights: the embedding scale and soft cap make larger ones peaked
+        target = save_gemma(root / "t", scale=0.12, vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB,
+                            bos_token_id=0, eos_token_id=1)
+        save_assistant(root / "t-assistant", target, centroids=4, follow=True)
     else:
         add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)
     target = load_model(root / "t", dtype="float32")

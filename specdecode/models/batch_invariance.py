@@ -14,6 +14,7 @@ from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.heads.dflash import DFlashModel
 from specdecode.models.heads.eagle3 import Eagle3Head
 from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fixed_order_attention
+from specdecode.models.kernels.gemma_kernels import gemma_batch_invariant
 from specdecode.models.kernels.hybrid_kernels import hybrid_batch_invariant
 from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
@@ -25,6 +26,8 @@ def batch_invariant(model: Transformer) -> bool:
     embedding and the final norm work row by row anyway."""
     if model.config.is_hybrid:
         return hybrid_batch_invariant(model)
+    if model.config.is_gemma:
+        return gemma_batch_invariant(model)
     if all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers):
         return isinstance(model.lm_head, W4A8Linear)
     return (all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)

@@ -17,6 +17,7 @@ The mixture-of-experts block (26B-A4B) and the vision and audio towers are not r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
@@ -66,6 +67,13 @@ def layer_shape(config, kind: str) -> tuple[int, int]:
     if kind == "full_attention":
         return config.gemma.global_kv_heads, config.gemma.global_head_dim
     return config.num_kv_heads, config.head_dim
+
+
+def slot_shape(config) -> tuple[int, int]:
+    """(KV heads, head size) of a Gemma 4 trunk's KV cache slot: room for either layer kind's keys (the heads a
+    multiple of each kind's, decoder/gemma_layers.GemmaAttention.to_slot)."""
+    shapes = [layer_shape(config, kind) for kind in set(config.layer_types)]
+    return math.lcm(*(heads for heads, _ in shapes)), max(dim for _, dim in shapes)
 
 
 def gemma_parts(hf: dict, layer_types: list[str]) -> GemmaParts:

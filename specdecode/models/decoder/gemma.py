@@ -15,7 +15,7 @@ from specdecode.models.decoder.gemma_layers import GemmaDecoderLayer, GemmaRMSNo
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.rope import RopeTable
 from specdecode.models.decoder.transformer import ForwardOutput, Transformer, attention_mask, pick_rows
-from specdecode.models.gemma_config import layer_shape
+from specdecode.models.gemma_config import layer_shape, slot_shape
 from specdecode.models.model_config import ModelConfig
 
 
@@ -30,6 +30,8 @@ class GemmaTransformer(Transformer):
             self.per_layer_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.per_layer_norm = GemmaRMSNorm(parts.per_layer_size, config.rms_norm_eps)
         self.ropes: dict[str, RopeTable] = {}
+        for layer in self.layers:
+            layer.attn.cache_shape = self.cache_shape
 
     @staticmethod
     def build_layers(config: ModelConfig) -> nn.ModuleList:
@@ -52,9 +54,8 @@ class GemmaTransformer(Transformer):
 
     @property
     def cache_shape(self) -> tuple[int, int]:
-        """(KV heads, head size) of a cache slot: the larger of the two layer kinds'."""
-        shapes = [layer_shape(self.config, kind) for kind in set(self.config.layer_types)]
-        return max(heads for heads, _ in shapes), max(dim for _, dim in shapes)
+        """(KV heads, head size) of a cache slot (gemma_config.slot_shape)."""
+        return slot_shape(self.config)
 
     def cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
         heads, dim = self.cache_shape

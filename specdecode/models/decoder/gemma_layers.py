@@ -1,8 +1,9 @@
 """Gemma 4's decoder block and its parts (the trunk is gemma.py; what each part does is in gemma_config.py).
 
 A layer that computes keys and values writes them to its slot of the KV cache; a KV-shared layer reads the slot
-of the last earlier layer of its kind (`cache_layer`) and writes nothing. Sliding and full layers may differ in
-head size and KV heads: the cache is sized for the larger, and each layer uses the leading part of its slot.
+of the last earlier layer of its kind (`cache_layers`) and writes nothing. Sliding and full layers may differ in
+head size and KV heads: a cache slot is sized for the larger of each, and a layer's keys and values are laid out in
+it as GemmaAttention.to_slot says.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class GemmaAttention(nn.Module):
             self.v_norm = GemmaRMSNorm(self.head_dim, eps, with_weight=False)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.o = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.attend = None  # the compiled fixed-order attention, where fix_gemma_layers installed it
+        self.cache_shape = (self.num_kv_heads, self.head_dim)  # (KV heads, head size) of a cache slot
 
     def forward(
         self,
@@ -76,14 +79,50 @@ class GemmaAttention(nn.Module):
         batch, new, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.shares_kv:
-            q = self.q(x)
-            keys, values = cache.read(slot, new, kv_heads, dim)  # [B, Hkv, S, D] each
+            q, k, v = self.q(x), None, None
         else:
             q, k, v = self._project(x)
-            k = apply_rope(self.k_norm(k), cos, sin)  # [B, Hkv, T, D]
-            keys, values = cache.write(slot, k, self.v_norm(v))  # [B, Hkv, S, D] each
+            k, v = apply_rope(self.k_norm(k), cos, sin), self.v_norm(v)  # [B, Hkv, T, D] each
         q = apply_rope(self.q_norm(q.view(batch, new, heads, dim).transpose(1, 2)), cos, sin)  # [B, H, T, D]
-        return self.o(attend(q, keys, values, mask))
+        if self.attend is not None:
+            return self.o(self._fixed_order(q, k, v, cache, slot, mask))
+        if self.shares_kv:
+            keys, values = cache.read(slot, new, *self.cache_shape)  # [B, Hc, S, Dc] each
+        else:
+            keys, values = cache.write(slot, self.to_slot(k), self.to_slot(v))
+        return self.o(attend(q, self.from_slot(keys), self.from_slot(values), mask))
+
+    def to_slot(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, Hkv, T, D] -> [B, Hc, T, Dc] as a cache slot holds it: each KV head repeated Hc/Hkv times in
+        place (query head h still meets KV head h // (H/Hc)), zeros after D (adding nothing to q.k or to the
+        output). Every reader of the slot undoes it with from_slot."""
+        heads, dim = self.cache_shape
+        if (heads, dim) == (self.num_kv_heads, self.head_dim):
+            return x
+        return F.pad(x.repeat_interleave(heads // self.num_kv_heads, dim=1), (0, dim - self.head_dim))
+
+    def from_slot(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Hc, S, Dc] -> this layer's [B, Hkv, S, D] (a view)."""
+        return x[:, :: self.cache_shape[0] // self.num_kv_heads, :, : self.head_dim]
+
+    def _fixed_order(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                     cache: KVCache | CacheBatch, slot: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The compiled attention (kernels/attention.cpp: each row sums its visible slots in slot order, whatever
+        shares the call) over a cache slot as to_slot lays it out, q padded as the keys are and scaled by sqrt(Dc)
+        against the kernel's 1/sqrt(Dc). A KV-shared layer passes the keys and values its producer wrote for the
+        new tokens, which the kernel writes again unchanged. -> [B, T, H*D]."""
+        batch, heads, new, dim = q.shape
+        cache_heads, cache_dim = self.cache_shape
+        keys, values = cache.layer_views(slot)  # one [Hc, S, Dc] tensor each per sequence
+        if k is None:  # the new tokens' rows, as the producer stored them
+            k = torch.stack([keys[b][:, start : start + new] for b, start in enumerate(cache.lengths)])
+            v = torch.stack([values[b][:, start : start + new] for b, start in enumerate(cache.lengths)])
+        else:
+            k, v = self.to_slot(k), self.to_slot(v)  # [B, Hc, T, Dc] each
+        q = F.pad(q, (0, cache_dim - dim)) * cache_dim ** 0.5  # [B, H, T, Dc]
+        qkv = torch.cat([part.transpose(1, 2).flatten(2) for part in (q, k, v)], dim=-1).float()
+        out = self.attend(qkv, keys, values, cache.lengths, mask, heads, cache_heads, cache_dim)  # [B, T, H*Dc]
+        return out.view(batch, new, heads, cache_dim)[..., :dim].reshape(batch, new, heads * dim).to(q.dtype)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q [B, T, H*D], k and v [B, Hkv, T, D] (v is k before its norm where values come from keys)."""

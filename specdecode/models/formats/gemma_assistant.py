@@ -16,7 +16,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
 from specdecode.models.formats.gemma_names import layer_sources
 from specdecode.models.formats.weight_source import FolderWeights, stacked
-from specdecode.models.gemma_config import layer_shape
+from specdecode.models.gemma_config import layer_shape, slot_shape
 from specdecode.models.model_config import ModelConfig
 
 WHAT = "a Gemma 4 assistant"
@@ -63,6 +63,7 @@ def load_assistant(folder: Path, target: ModelConfig, dtype: torch.dtype, device
                                                                  model.post_projection))
     if not centroids:
         quantized += quantize_linears(model.lm_head, quant)
+    model.read_cache_of(slot_shape(target))
     model.finish_loading()
     head = f"a centroid head ({centroids} clusters, top {model.top_clusters})" if centroids else "its full output head"
     return model.eval(), (f"Gemma 4 assistant {folder.name}: {config.num_layers} layers of width {config.hidden_size}, "

@@ -44,6 +44,11 @@ class GemmaAssistant(nn.Module):
         self.has_centroids = bool(centroids)
         self.ropes: dict[str, RopeTable] = {}
 
+    def read_cache_of(self, target_cache_shape: tuple[int, int]) -> None:
+        """Its layers read slots of the target's shape (GemmaAttention.to_slot)."""
+        for layer in self.layers:
+            layer.attn.cache_shape = target_cache_shape
+
     def finish_loading(self) -> None:
         weight = self.pre_projection.weight
         self.ropes = {kind: RopeTable(gemma_frequencies(self.config, kind), self.config.max_position_embeddings,
@@ -87,7 +92,8 @@ class GemmaAssistant(nn.Module):
 
 
 class _SlotView:
-    """The target's cache seen by an assistant layer: its committed slots from `first` on, read only."""
+    """The target's cache seen by an assistant layer: its committed slots from `first` on, read only (laid out as
+    the target's layers lay them out: the assistant's attention is told the target's cache_shape)."""
 
     def __init__(self, cache: KVCache, first: int):
         self.cache, self.first = cache, first

@@ -28,6 +28,7 @@ from specdecode.models.decoder.layers import Attention, DecoderLayer
 from specdecode.models.decoder.packed_linear import PackedLinear, rows_invariant
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.kernels.gemma_kernels import fix_gemma_layers
 from specdecode.models.kernels.hybrid_kernels import fix_hybrid_layers
 from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
 
@@ -74,7 +75,7 @@ def fix_float_layers(model: Transformer) -> str | None:
     if model.config.is_hybrid:
         return fix_hybrid_layers(model)
     if model.config.is_gemma:
-        return "Gemma 4's layers run on PyTorch's attention and matmuls"
+        return fix_gemma_layers(model)
     if model.device.type != "cpu" or model.dtype not in _DTYPES:
         return f"the fixed-order layers run on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
     if model.config.head_dim % 16:

@@ -21,6 +21,7 @@ from torch import nn
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import DecoderLayer
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.kernels.gemma_kernels import fix_gemma_layers
 from specdecode.models.kernels.hybrid_kernels import fix_hybrid_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
@@ -53,7 +54,8 @@ def fuse_layers(model: Transformer) -> None:
     if config.is_hybrid:  # its own layers; the attention kernel where the matmuls allow (hybrid_kernels.py)
         fix_hybrid_layers(model)
         return
-    if config.is_gemma:  # its layers run their w4a8 matmuls from PyTorch
+    if config.is_gemma:  # its layers run their w4a8 matmuls from PyTorch, attention in the kernel where it can
+        fix_gemma_layers(model)
         return
     linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
     if not linears or not all(isinstance(m, W4A8Linear) for m in linears):

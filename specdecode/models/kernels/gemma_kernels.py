@@ -1,0 +1,58 @@
+"""A Gemma 4 trunk (decoder/gemma.py) made batch-invariant where this machine allows, as the Llama family's fused
+and fixed-order layers and the hybrid trunk's are: every attention layer runs the compiled fixed-order attention
+(attention.cpp, each row summing its visible slots in slot order) over its cache slot, and the matmuls are
+row-invariant (w4a8, or oneDNN's packed float kernels found so by a probe at load). The per-layer embeddings,
+norms and soft cap work row by row anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdecode.models.decoder.gemma import GemmaTransformer
+from specdecode.models.decoder.packed_linear import rows_invariant
+from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fix_gemma_layers(model: GemmaTransformer) -> str | None:
+    """Give every attention layer the fixed-order attention where the matmuls are row-invariant here -> None when
+    done, else why not (the layers stay on PyTorch's attention)."""
+    if model.device.type != "cpu" or model.dtype not in _DTYPES:
+        return f"the fixed-order attention runs on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
+    if model.cache_shape[1] % 16:
+        return f"the fixed-order attention needs a head size that is a multiple of 16, not {model.cache_shape[1]}"
+    reason = w4a8_unavailable()
+    if reason is not None:
+        return f"the attention kernel is unavailable: {reason}"
+    # w4a8's kernel is row-invariant by construction; any other kind (float, packed for oneDNN, int8 where a
+    # small layer does not fit w4a8's tiles) is probed, one of each kind and shape class per layer.
+    linears = [linear for linear in _linears(model) if not isinstance(linear, W4A8Linear)]
+    if linears:
+        generator = torch.Generator().manual_seed(0)
+        samples = list({(type(linear), linear.in_features, linear.out_features): linear for linear in linears}.values())
+        if not all(rows_invariant(linear, generator, model.dtype) for linear in samples):
+            return "the matmul on this CPU sums in an order that depends on the number of rows"
+    attend = load_kernel().attend
+    for layer in model.layers:
+        layer.attn.attend = attend
+    model.lm_head.rows_invariant_checked = True
+    return None
+
+
+def gemma_batch_invariant(model: GemmaTransformer) -> bool:
+    """Whether fix_gemma_layers made the trunk batch-invariant."""
+    return all(layer.attn.attend is not None for layer in model.layers) and getattr(
+        model.lm_head, "rows_invariant_checked", False)
+
+
+def _layer_linears(layer: nn.Module) -> list[nn.Module]:
+    """Every matmul of a layer, whatever its kind (nn.Linear, packed, quantized: each has in_features)."""
+    return [module for module in layer.modules() if hasattr(module, "in_features") and not list(module.children())]
+
+
+def _linears(model: GemmaTransformer) -> list[nn.Module]:
+    extra = [model.per_layer_projection] if model.config.gemma.per_layer_size else []
+    return [linear for layer in model.layers for linear in _layer_linears(layer)] + extra + [model.lm_head]
