@@ -20,6 +20,9 @@ FULL_FEATURED = dict(
                  "sliding_attention", "full_attention"],
     final_logit_softcapping=30.0, use_double_wide_mlp=True, max_position_embeddings=512, bos_token_id=256,
     eos_token_id=257, pad_token_id=0)
+# Every part in three layers (one KV-shared), for tests that run thousands of forwards.
+SMALL = dict(num_hidden_layers=3, num_kv_shared_layers=1, layer_types=["sliding_attention", "full_attention",
+                                                                       "full_attention"])
 # None of them: every layer its own keys and values, no PLE, default rope on the full layers, no cap.
 PLAIN = dict(
     vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

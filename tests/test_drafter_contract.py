@@ -23,7 +23,7 @@ from batched_runs import run_batched
 from conftest import TINY_VOCAB, save_tiny_model, started
 from dflash_drafters import write_random_dflash, write_random_dspark
 from eagle3_reference import head_config, random_head, write_head
-from gemma_reference import save_assistant, save_gemma
+from gemma_reference import SMALL, save_assistant, save_gemma
 from hybrid_reference import add_hybrid_mtp
 from mtp_reference import add_mtp_layers
 from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
@@ -161,7 +161,7 @@ def small_vocab_engine(request, tmp_path_factory):
         add_hybrid_mtp(save_tiny_model(root / "t", "qwen3_5", scale=0.6, vocab_size=VOCAB), follow=1.0)
     elif request.param == "gemma4":  # small weights: the embedding scale and soft cap make larger ones peaked
         target = save_gemma(root / "t", scale=0.12, vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB,
-                            bos_token_id=0, eos_token_id=1)
+                            bos_token_id=0, eos_token_id=1, **SMALL)
         save_assistant(root / "t-assistant", target, centroids=4, follow=True)
     else:
         add_mtp_layers(save_tiny_model(root / "t", "qwen2", scale=0.6, vocab_size=VOCAB), "mimo", follow=1.0)

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from gemma_reference import reference_model, save_assistant, save_gemma
+from gemma_reference import SMALL, reference_model, save_assistant, save_gemma
 from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -131,7 +131,7 @@ def small_vocab_gemma(tmp_path_factory):
     embedding scale and soft cap make larger ones nearly deterministic)."""
     root = tmp_path_factory.mktemp("gemma-vocab8")
     target_folder = save_gemma(root / "t", scale=0.12, vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB,
-                               bos_token_id=0, eos_token_id=1)
+                               bos_token_id=0, eos_token_id=1, **SMALL)
     save_assistant(root / "t-assistant", target_folder, centroids=4, follow=True)
     return Engine(load_model(target_folder, dtype="float32", quant="none"))
 
