@@ -312,3 +312,93 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Gemma 4's tensors (after "model.layers.N." or "model.language_model.layers.N.") -> llama.cpp's gemma4 names.
+_GEMMA4_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight", "post_per_layer_input_norm.weight": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+_GEMMA4_GLOBAL = {
+    "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+    "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight", "lm_head.weight": "output.weight",
+}
+
+
+def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
+    """`hf_folder`'s Gemma 4 text model as llama.cpp's converter writes it (architecture "gemma4"): per-layer
+    arrays where the layer kinds differ (KV heads, the double-wide MLP's sizes, the sliding pattern), both head
+    sizes, the full layers' proportional rope as rope_freqs factors (1 rotating, 1e30 not), norms as stored, the
+    layer scalars as layer_output_scale; float32, or its matrices in `matrices` (F16 for llama-quantize)."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    layers, kinds = config["num_hidden_layers"], config["layer_types"]
+    full = kinds.index("full_attention")
+    per_layer = (config.get("per_layer_config") or {}).get(str(full), {})
+    head_dim, global_head_dim = config["head_dim"], per_layer.get("head_dim", config["head_dim"])
+    kv_heads, global_kv = config["num_key_value_heads"], per_layer.get("num_key_value_heads", config["num_key_value_heads"])
+    first_shared = layers - config["num_kv_shared_layers"]
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    inner = config["intermediate_size"]
+    writer.add_feed_forward_length([inner * (2 if config["use_double_wide_mlp"] and i >= first_shared else 1)
+                                    for i in range(layers)] if config["use_double_wide_mlp"] else inner)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([kv_heads if kind == "sliding_attention" else global_kv for kind in kinds])
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(head_dim)
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_shared_kv_layers(config["num_kv_shared_layers"])
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    tokens, types, merges = gguf_tokens(config["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    rotating = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim / 2)
+    factors = np.array([1.0] * rotating + [1e30] * (global_head_dim // 2 - rotating), dtype=np.float32)
+    writer.add_tensor("rope_freqs.weight", factors, raw_dtype=F32)
+    for name, weight in hf_weights(hf_folder).items():
+        name = name.removeprefix("model.").removeprefix("language_model.")
+        if name in _GEMMA4_GLOBAL:
+            gguf_name = _GEMMA4_GLOBAL[name]
+        elif name.startswith("layers."):
+            _, block, rest = name.split(".", 2)
+            gguf_name = f"blk.{block}.{_GEMMA4_BLOCK[rest]}"
+        else:
+            continue  # a multimodal checkpoint's towers
+        data = np.ascontiguousarray(weight.astype(np.float32))
+        if data.ndim == 2 and matrices == F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
+        else:
+            writer.add_tensor(gguf_name, data, raw_dtype=F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

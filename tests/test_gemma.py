@@ -90,3 +90,31 @@ def test_a_mixture_of_experts_gemma_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "enable_moe_block": True}))
     with pytest.raises(SpecDecodeError, match="mixture-of-experts"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("quant", ["none", "w4a8"])
+def test_a_gemma4_gguf_file_loads_as_its_folder(gemma_folder, tmp_path, quant):
+    """llama.cpp's gemma4 layout (tests/gguf_files.py writes it as its converter does): the same model as the
+    folder it was written from, in float (logits within 1e-4) and on the w4a8 kernel (within the kernel's own
+    rounding of the same weights: the same top token at most positions)."""
+    from gguf_files import write_gemma4_gguf
+
+    from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
+
+    if quant == "w4a8" and (reason := w4a8_unavailable()) is not None:
+        pytest.skip(f"w4a8 cannot run here: {reason}")
+    path = tmp_path / "gemma.gguf"
+    write_gemma4_gguf(path, gemma_folder)
+    dtype = "float32" if quant == "none" else "bfloat16"
+    from_file = load_model(path, dtype=dtype, quant=quant)
+    from_folder = load_model(gemma_folder, dtype=dtype, quant=quant).model
+    assert from_file.config.gemma == from_folder.config.gemma
+    ids = prompt_ids()
+    positions = torch.arange(PROMPT).unsqueeze(0)
+    with torch.inference_mode():
+        expected = from_folder(ids, positions, from_folder.new_cache(PROMPT)).logits
+        got = from_file.model(ids, positions, from_file.model.new_cache(PROMPT)).logits
+    if quant == "none":
+        assert (got - expected).abs().max() < TOLERANCE
+    else:
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8

@@ -80,12 +80,15 @@ def _methods(facts: ModelSurvey, drafters: list[tuple[str, Path]], drafts: list[
         return [("none", False, f"this runtime does not run {facts.architecture!r} models yet", "")]
     heads = [path for kind, path in drafters if kind == "eagle3"]
     blocks = {kind: [path for found, path in drafters if found == kind] for kind in ("dflash", "dspark")}
-    others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash", "dspark")})
+    assistants = [path for kind, path in drafters if kind == "gemma4_assistant"]
+    others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash", "dspark", "gemma4_assistant")})
     if facts.mtp_present:
         rows = [("mtp", True, f"ships {facts.mtp_present} MTP layer(s), no other download", "--spec-type mtp")]
     elif facts.mtp_companion is not None:
         rows = [("mtp", True, f"{facts.mtp_companion_layers} MTP layer(s) in {facts.mtp_companion.name} beside it, "
                  "read with it", "--spec-type mtp")]
+    elif assistants:  # Gemma 4 ships its MTP as an assistant model
+        rows = [("mtp", True, f"the Gemma 4 assistant {assistants[0].name} beside it", "--spec-type mtp")]
     elif facts.mtp_dropped:
         rows = [("mtp", False, "its config declares MTP layers but this file dropped them: use a file that keeps "
                  "them, or `specdecode train mtp`", "")]

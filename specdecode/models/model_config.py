@@ -282,7 +282,8 @@ class ModelConfig:
         }
         if self.architecture != "qwen2":
             hf["attention_bias"] = self.qkv_bias
-        if self.gemma is not None:
+        if self.gemma is not None:  # its ropes are per layer kind, in rope_parameters
+            del hf["rope_theta"], hf["rope_scaling"]
             hf.update(gemma_to_hf(self.gemma, self.layer_types, self.head_dim, self.num_kv_heads))
             return hf
         if self.is_hybrid:

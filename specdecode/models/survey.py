@@ -18,7 +18,7 @@ from specdecode.models.formats.gguf_header import read_header
 from specdecode.models.formats.mtp_companion import companion_beside, companion_layers
 from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
-_GGUF_RUNS = ("llama", "qwen2", "qwen3", "qwen35")  # general.architecture values our loader reads (Mistral is "llama")
+_GGUF_RUNS = ("llama", "qwen2", "qwen3", "qwen35", "gemma4")  # general.architecture values our loader reads (Mistral is "llama")
 # Where each published MTP naming keeps module j (drafter-formats.md section 2); {L} = the trunk's layer count.
 _MTP_PATTERNS = {
     "mimo": re.compile(r"model\.mtp_layers\.(\d+)\."),

@@ -65,7 +65,7 @@ def gemma_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
               "norm.weight": (hidden,), "embed_tokens_per_layer.weight": (parts.per_layer_vocab,
                                                                           config.num_layers * size),
               "per_layer_model_projection.weight": (config.num_layers * size, hidden),
-              "per_layer_projection_norm.weight": (size,)}
+              "per_layer_projection_norm.weight": (size,), "rope_freqs": (parts.global_head_dim // 2,)}
     for i in range(config.num_layers):
         shapes.update(layer_shapes(f"layers.{i}.", config, i, size))
     return shapes

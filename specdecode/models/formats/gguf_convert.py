@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats import gguf_qwen35
+from specdecode.models.formats import gguf_gemma4, gguf_qwen35
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.model_config import ModelConfig, unsupported_message
 from specdecode.models.tokenizer import END_OF_TURN_TOKENS
@@ -94,7 +94,8 @@ def config_from_gguf(reader, path: Path, companion: bool = False) -> ModelConfig
 
 def _config_from_gguf(reader, path: Path, companion: bool) -> ModelConfig:
     gguf_arch = field_value(reader, "general.architecture")
-    if gguf_arch not in _GGUF_ARCHITECTURES and gguf_arch != gguf_qwen35.ARCHITECTURE:
+    gguf_gemma4.check_not_assistant(gguf_arch, path)
+    if gguf_arch not in _GGUF_ARCHITECTURES and gguf_arch not in (gguf_qwen35.ARCHITECTURE, gguf_gemma4.ARCHITECTURE):
         raise SpecDecodeError(f"{path}: {unsupported_message(gguf_arch)}")
 
     def meta(key, default=None):
@@ -103,6 +104,9 @@ def _config_from_gguf(reader, path: Path, companion: bool) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     if gguf_arch == gguf_qwen35.ARCHITECTURE:
         return gguf_qwen35.qwen35_config(meta, tensors, path, companion)
+    if gguf_arch == gguf_gemma4.ARCHITECTURE:
+        return gguf_gemma4.gemma4_config(meta, tensors, field_value(reader, "tokenizer.ggml.eos_token_id"),
+                                         field_value(reader, "tokenizer.ggml.bos_token_id"))
     hidden = int(meta("embedding_length"))
     # llama.cpp counts the MTP blocks in block_count; the trunk is the blocks before them.
     nextn = int(meta("nextn_predict_layers", 0))
@@ -142,6 +146,8 @@ def hf_namer(reader, config: ModelConfig):
     """The file's tensor name -> its Hugging Face name, for this file's layout."""
     if field_value(reader, "general.architecture") == gguf_qwen35.ARCHITECTURE:
         return lambda name: gguf_qwen35.qwen35_hf_name(name, config.num_layers)
+    if config.is_gemma:
+        return gguf_gemma4.gemma4_hf_name
     return hf_name
 
 
@@ -237,7 +243,11 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype, quiet: bool = Fa
 
 
 def write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # AutoTokenizer reads the file's model config as well, which transformers cannot for a gemma4 file with the
+    # double-wide MLP (one feed-forward size per layer); the tokenizer class itself reads the vocabulary alone.
+    tokenizer_class = PreTrainedTokenizerFast if config.is_gemma else AutoTokenizer
 
     # transformers prefers tokenizer files beside the GGUF file to its metadata (a model folder holding both
     # loses the file's chat template), so it reads the file from a folder of its own, through a link.
@@ -248,7 +258,7 @@ def write_tokenizer(path: Path, out_dir: Path, config: ModelConfig) -> None:
         except OSError:  # no symbolic links here: read it where it is
             link = path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(link.parent), gguf_file=link.name)
+            tokenizer = tokenizer_class.from_pretrained(str(link.parent), gguf_file=link.name)
         except (ValueError, KeyError, OSError, TypeError) as error:
             raise SpecDecodeError(f"{path}: could not build a tokenizer from the GGUF metadata ({error})") from None
     tokenizer.save_pretrained(str(out_dir))
