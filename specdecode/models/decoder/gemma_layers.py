@@ -77,7 +77,7 @@ class GemmaAttention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = may attend; None = every cached slot
     ) -> torch.Tensor:
         batch, new, _ = x.shape
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        heads, dim = self.num_heads, self.head_dim
         if self.shares_kv:
             q, k, v = self.q(x), None, None
         else:
