@@ -335,25 +335,57 @@ _GEMMA4_GLOBAL = {
 
 
 def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
-    """`hf_folder`'s Gemma 4 text model as llama.cpp's converter writes it (architecture "gemma4"): per-layer
-    arrays where the layer kinds differ (KV heads, the double-wide MLP's sizes, the sliding pattern), both head
-    sizes, the full layers' proportional rope as rope_freqs factors (1 rotating, 1e30 not), norms as stored, the
-    layer scalars as layer_output_scale; float32, or its matrices in `matrices` (F16 for llama-quantize)."""
+    """`hf_folder`'s Gemma 4 text model as llama.cpp's converter writes it (architecture "gemma4", gemma4_header);
+    float32, or its matrices in `matrices` (F16 for llama-quantize)."""
     config = json.loads((hf_folder / "config.json").read_text())
     config = config.get("text_config", config)
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    gemma4_header(writer, config)
+    for name, weight in hf_weights(hf_folder).items():
+        gguf_name = gemma4_gguf_name(name)
+        if gguf_name is None:
+            continue  # a multimodal checkpoint's towers
+        data = np.ascontiguousarray(weight.astype(np.float32))
+        if data.ndim == 2 and matrices == F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
+        else:
+            writer.add_tensor(gguf_name, data, raw_dtype=F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gemma4_gguf_name(name: str) -> str | None:
+    """A Gemma 4 Hugging Face tensor name -> llama.cpp's, None for what its text model does not hold."""
+    name = name.removeprefix("model.").removeprefix("language_model.")
+    if name in _GEMMA4_GLOBAL:
+        return _GEMMA4_GLOBAL[name]
+    if name.startswith("layers."):
+        _, block, rest = name.split(".", 2)
+        return f"blk.{block}.{_GEMMA4_BLOCK[rest]}"
+    return None
+
+
+def gemma4_header(writer: gguf.GGUFWriter, config: dict) -> None:
+    """A gemma4_text config's metadata, the tokenizer and the rope_freqs tensor as llama.cpp's converter writes
+    them: per-layer arrays where the layer kinds differ (KV heads, the double-wide MLP's sizes, the sliding
+    pattern), both head sizes, the full layers' proportional rope as rope_freqs factors (1 rotating, 1e30 not).
+    Norms are stored as they are and the layer scalars as layer_output_scale (the tensors' part)."""
     layers, kinds = config["num_hidden_layers"], config["layer_types"]
     full = kinds.index("full_attention")
     per_layer = (config.get("per_layer_config") or {}).get(str(full), {})
-    head_dim, global_head_dim = config["head_dim"], per_layer.get("head_dim", config["head_dim"])
-    kv_heads, global_kv = config["num_key_value_heads"], per_layer.get("num_key_value_heads", config["num_key_value_heads"])
+    head_dim = config["head_dim"]
+    global_head_dim = per_layer.get("head_dim", config.get("global_head_dim", head_dim))
+    kv_heads = config["num_key_value_heads"]
+    global_kv = per_layer.get("num_key_value_heads", kv_heads)
     first_shared = layers - config["num_kv_shared_layers"]
-    writer = gguf.GGUFWriter(str(path), "gemma4")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
     inner = config["intermediate_size"]
-    writer.add_feed_forward_length([inner * (2 if config["use_double_wide_mlp"] and i >= first_shared else 1)
-                                    for i in range(layers)] if config["use_double_wide_mlp"] else inner)
+    writer.add_feed_forward_length([inner * (2 if i >= first_shared else 1) for i in range(layers)]
+                                   if config["use_double_wide_mlp"] else inner)
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv([kv_heads if kind == "sliding_attention" else global_kv for kind in kinds])
     writer.add_key_length(global_head_dim)
@@ -384,21 +416,3 @@ def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
     rotating = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim / 2)
     factors = np.array([1.0] * rotating + [1e30] * (global_head_dim // 2 - rotating), dtype=np.float32)
     writer.add_tensor("rope_freqs.weight", factors, raw_dtype=F32)
-    for name, weight in hf_weights(hf_folder).items():
-        name = name.removeprefix("model.").removeprefix("language_model.")
-        if name in _GEMMA4_GLOBAL:
-            gguf_name = _GEMMA4_GLOBAL[name]
-        elif name.startswith("layers."):
-            _, block, rest = name.split(".", 2)
-            gguf_name = f"blk.{block}.{_GEMMA4_BLOCK[rest]}"
-        else:
-            continue  # a multimodal checkpoint's towers
-        data = np.ascontiguousarray(weight.astype(np.float32))
-        if data.ndim == 2 and matrices == F16:
-            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
-        else:
-            writer.add_tensor(gguf_name, data, raw_dtype=F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()

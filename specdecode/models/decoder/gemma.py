@@ -30,6 +30,9 @@ class GemmaTransformer(Transformer):
             self.per_layer_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.per_layer_norm = GemmaRMSNorm(parts.per_layer_size, config.rms_norm_eps)
         self.ropes: dict[str, RopeTable] = {}
+        # The residual stream's dtype (None: the weights'); float32 where every matmul is w4a8, whose kernel
+        # takes float32 rows (gemma_kernels.py), saving two conversions a matmul.
+        self.activation_dtype: torch.dtype | None = None
         for layer in self.layers:
             layer.attn.cache_shape = self.cache_shape
 
@@ -45,8 +48,9 @@ class GemmaTransformer(Transformer):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed.weight
         weight = self.embed.weight
+        dtype = self.activation_dtype or weight.dtype
         self.ropes = {kind: RopeTable(gemma_frequencies(self.config, kind), self.config.max_position_embeddings,
-                                      weight.dtype, weight.device) for kind in set(self.config.layer_types)}
+                                      dtype, weight.device) for kind in set(self.config.layer_types)}
 
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> KVCache:
         heads, dim = self.cache_shape
@@ -103,18 +107,21 @@ class GemmaTransformer(Transformer):
         cache.record_positions(positions)
         x = self.embed_scaled(tokens)  # [B, T, H]
         per_layer = self.per_layer_inputs(tokens, x)  # [B, T, L, P] or None
+        if self.activation_dtype is not None:
+            x = x.to(self.activation_dtype)
+            per_layer = None if per_layer is None else per_layer.to(self.activation_dtype)
         hidden = {0: x} if 0 in hidden_layers else {}
         for index, layer in enumerate(self.layers):
             cos, sin = ropes[layer.kind]
             x = layer(x, cos, sin, cache, self.slots[index], masks[layer.kind],
                       None if per_layer is None else per_layer[:, :, index])
             if index + 1 in hidden_layers:
-                hidden[index + 1] = x
+                hidden[index + 1] = x.to(self.dtype)
         cache.advance(new)
         head = self.lm_head if head is None else head
         normed = self.norm(x if final_hidden else pick_rows(x, logits_at))  # [B, T or T', H]
         logits = self.soft_cap(head(pick_rows(normed, logits_at) if final_hidden else normed).float())
-        return ForwardOutput(logits, hidden, normed if final_hidden else None)
+        return ForwardOutput(logits, hidden, normed.to(self.dtype) if final_hidden else None)
 
     def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         """logits -> cap * tanh(logits / cap) where the config caps them."""

@@ -38,6 +38,13 @@ def fix_gemma_layers(model: GemmaTransformer) -> str | None:
     attend = load_kernel().attend
     for layer in model.layers:
         layer.attn.attend = attend
+    if not linears:  # every matmul w4a8: the kernels take float32 rows, so the residual stream stays float32
+        model.activation_dtype = torch.float32  # (the rope tables follow when finish_loading builds them)
+        for module in [*model.layers, model.norm, *([model.per_layer_norm] if model.config.gemma.per_layer_size
+                                                    else [])]:
+            for param in module.parameters():
+                if param.is_floating_point() and param.dim() <= 1:  # norms and layer scalars, read every step
+                    param.data = param.data.float()
     model.lm_head.rows_invariant_checked = True
     return None
 
