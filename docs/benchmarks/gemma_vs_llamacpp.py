@@ -184,8 +184,8 @@ def main() -> int:
         per_round = ", ".join(f"{o / t:.2f}" for t, o in zip(run["llama_cpp"], run["ours"]))
         label = f"decode {args.tokens}" if phase == "decode" else f"prefill {args.prompt}"
         lines.append(f"| {label} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {per_round} |")
-    lines += ["", f"ours loaded as {loaded.quant} (first load, building the cached copy: {load_seconds:.0f} s); greedy "
-              "speculation against plain decoding, 64 tokens, chains of 3:"]
+    lines += ["", (f"ours loaded as {loaded.quant} (first load, building the cached copy: {load_seconds:.0f} s); "
+                   "greedy speculation against plain decoding, 64 tokens, chains of 3:")]
     for method in ("draft", "mtp"):
         r = spec[method]
         lines.append(f"- {method}: {'identical' if r['identical'] else 'DIFFERS'}, {r['accepted']}/{r['drafted']} "
