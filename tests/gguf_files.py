@@ -416,3 +416,27 @@ def gemma4_header(writer: gguf.GGUFWriter, config: dict) -> None:
     rotating = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim / 2)
     factors = np.array([1.0] * rotating + [1e30] * (global_head_dim // 2 - rotating), dtype=np.float32)
     writer.add_tensor("rope_freqs.weight", factors, raw_dtype=F32)
+
+
+def write_gemma4_assistant_gguf(path: Path, folder: Path) -> None:
+    """A Gemma 4 assistant folder (transformers' layout) as llama.cpp's converter writes it: architecture
+    "gemma4-assistant", gemma4's metadata and layers, embedding_length_out (the target's hidden size),
+    nextn_predict_layers, nextn.pre_projection and nextn.post_projection; the centroid head dropped, as it does."""
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    writer = gguf.GGUFWriter(str(path), "gemma4-assistant")
+    gemma4_header(writer, text)
+    writer.add_embedding_length_out(config["backbone_hidden_size"])
+    writer.add_nextn_predict_layers(text["num_hidden_layers"])
+    for name, weight in hf_weights(folder).items():
+        if name in ("pre_projection.weight", "post_projection.weight"):
+            gguf_name = f"nextn.{name}"
+        elif name.startswith("masked_embedding."):
+            continue
+        else:
+            gguf_name = gemma4_gguf_name(name)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight.astype(np.float32)), raw_dtype=F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

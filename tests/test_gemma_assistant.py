@@ -151,3 +151,30 @@ def test_inspect_lists_the_assistant_beside_the_model(tmp_path):
     shutil.copytree(assistant, target_folder / "assistant")
     kinds = drafters_beside(target_folder, [])
     assert ("gemma4_assistant", assistant) in kinds and ("gemma4_assistant", target_folder / "assistant") in kinds
+
+
+def test_a_gemma4_assistant_gguf_file_drafts_as_its_folder(target_folder, tmp_path):
+    """llama.cpp's gemma4-assistant layout (its converter drops the centroid head, so a folder with the full
+    output head is the reference): the same draft logits, and `mtp` takes the file from --draft-model."""
+    from gguf_files import write_gemma4_assistant_gguf
+
+    folder = save_assistant(tmp_path / "assistant", target_folder, follow=True)
+    path = tmp_path / "gemma-assistant.gguf"
+    write_gemma4_assistant_gguf(path, folder)
+    target = load_model(target_folder, dtype="float32", quant="none")
+    model = target.model
+    from_folder, _ = load_assistant(folder, model.config, torch.float32, torch.device("cpu"), "none")
+    from_file, _ = load_assistant(path, model.config, torch.float32, torch.device("cpu"), "none")
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    slots = {kind: model.shared_slot(kind) for kind in ("sliding_attention", "full_attention")}
+    with torch.inference_mode():
+        cache = model.new_cache(PROMPT)
+        out = model(ids, torch.arange(PROMPT).unsqueeze(0), cache, final_hidden=True)
+        embedding = model.embed_scaled(out.logits[:, -1:].argmax(-1))
+        expected, _ = from_folder(embedding, out.final_hidden[:, -1:], PROMPT, cache, slots)
+        got, _ = from_file(embedding, out.final_hidden[:, -1:], PROMPT, cache, slots)
+    assert torch.allclose(got, expected, atol=1e-5)
+    engine = Engine(target, draft_path=str(path))
+    plain = engine.complete("hello hello", greedy(), SpecConfig("none")).token_ids
+    result = engine.complete("hello hello", greedy(), SpecConfig("mtp", num_draft_tokens=3))
+    assert result.token_ids == plain and result.stats.accepted_tokens > 0

@@ -1,5 +1,9 @@
-"""A Gemma 4 assistant folder (transformers' layout: config.json of model_type gemma4_assistant with a text_config,
-and safetensors) -> heads/gemma_assistant.py's module, checked against the target it drafts for.
+"""A Gemma 4 assistant -> heads/gemma_assistant.py's module, checked against the target it drafts for. From a folder
+in transformers' layout (config.json of model_type gemma4_assistant with a text_config, and safetensors), or a GGUF
+file in llama.cpp's `gemma4-assistant` layout (its converter's Gemma4AssistantModel: the gemma4 metadata under
+that architecture, `embedding_length_out` for the target's hidden size, `nextn.pre_projection` and
+`nextn.post_projection`, the layers as gemma4's; it drops the centroid head, so such a file drafts through the
+full output head).
 
 Stored names (without "model."): layers.N.* (queries, output, norms, MLP, layer_scalar: every layer reads the
 target's keys and values), norm, embed_tokens (the output head, tied) or lm_head, pre_projection,
@@ -22,8 +26,22 @@ from specdecode.models.model_config import ModelConfig
 WHAT = "a Gemma 4 assistant"
 
 
+GGUF_ARCHITECTURE = "gemma4-assistant"
+_GGUF_NAMES = {"nextn.pre_projection.weight": "pre_projection.weight",
+               "nextn.post_projection.weight": "post_projection.weight",
+               "masked_embd_centroids.weight": "masked_embedding.centroids.weight"}
+
+
 def is_assistant_folder(path: Path) -> bool:
-    """Whether `path` is a folder whose config.json says gemma4_assistant."""
+    """Whether `path` is a Gemma 4 assistant: a folder whose config.json says gemma4_assistant, or a GGUF file of
+    llama.cpp's gemma4-assistant architecture."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from specdecode.models.formats.gguf_header import read_header
+
+        try:
+            return read_header(path).metadata.get("general.architecture") == GGUF_ARCHITECTURE
+        except SpecDecodeError:
+            return False
     if not (path / "config.json").is_file():
         return False
     try:
@@ -47,15 +65,18 @@ def load_assistant(folder: Path, target: ModelConfig, dtype: torch.dtype, device
     from specdecode.models.heads.gemma_assistant import GemmaAssistant
     from specdecode.models.kernels.quantize_module import quantize_linears
 
-    hf = read_drafter_config(folder, WHAT)
-    config = assistant_config(hf)
+    if folder.is_file():
+        hf, config, weights = _gguf_source(folder)
+    else:
+        hf = read_drafter_config(folder, WHAT)
+        config = assistant_config(hf)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise SpecDecodeError(f"{folder}: {WHAT} folder needs its *.safetensors weights")
+        weights = FolderWeights(files)
     _check_fits(folder, hf, config, target)
     centroids = hf.get("num_centroids", 2048) if hf.get("use_ordered_embeddings") else 0
     model = GemmaAssistant(config, target.hidden_size, centroids, hf.get("centroid_intermediate_top_k", 32))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise SpecDecodeError(f"{folder}: {WHAT} folder needs its *.safetensors weights")
-    weights = FolderWeights(files)
     load_checked(model, _state(weights, config, centroids), folder, "assistant")
     model.to(dtype=dtype, device=device).requires_grad_(False)
     # The centroid head gathers rows of the output head: that one stays float.
@@ -70,7 +91,44 @@ def load_assistant(folder: Path, target: ModelConfig, dtype: torch.dtype, device
                           f"{head}" + (f", {quantized} layers in {quant}" if quantized else ""))
 
 
-def _state(weights: FolderWeights, config: ModelConfig, centroids: int) -> dict[str, torch.Tensor]:
+class _Tensors(dict):
+    """A GGUF file's tensors under Hugging Face names, read as FolderWeights is."""
+
+    def names(self) -> set[str]:
+        return set(self)
+
+
+def _gguf_source(path: Path) -> tuple[dict, ModelConfig, _Tensors]:
+    """-> (the assistant's top-level settings as transformers names them, its config, its tensors in float32)."""
+    from specdecode.models.formats.gguf_convert import dequantize_tensor, field_value, open_gguf
+    from specdecode.models.formats.gguf_gemma4 import gemma4_config, gemma4_hf_name
+
+    reader = open_gguf(path)
+    if field_value(reader, "general.architecture") != GGUF_ARCHITECTURE:
+        raise SpecDecodeError(f"{path} is not {WHAT} (its architecture is not {GGUF_ARCHITECTURE})")
+
+    def meta(key, default=None):
+        return field_value(reader, f"{GGUF_ARCHITECTURE}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    try:
+        config = gemma4_config(meta, tensors, None, None)
+        hf = {"backbone_hidden_size": int(meta("embedding_length_out")),
+              "use_ordered_embeddings": "masked_embd_centroids.weight" in tensors}
+    except (KeyError, TypeError, ValueError) as error:
+        raise SpecDecodeError(f"{path}: GGUF metadata is missing or malformed ({error!r})") from None
+    if hf["use_ordered_embeddings"]:
+        hf["num_centroids"] = int(tensors["masked_embd_centroids.weight"].shape[1])
+    weights = _Tensors()
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # the full layers' rope, read into the config
+        ours = _GGUF_NAMES.get(name) or gemma4_hf_name(name).removeprefix("model.")
+        weights[ours] = torch.from_numpy(dequantize_tensor(tensor))
+    return hf, config, weights
+
+
+def _state(weights: FolderWeights | _Tensors, config: ModelConfig, centroids: int) -> dict[str, torch.Tensor]:
     names = weights.names()
     sources = {"pre_projection.weight": ["pre_projection.weight"], "post_projection.weight": ["post_projection.weight"],
                "norm.weight": ["norm.weight"],

@@ -108,4 +108,4 @@ def gemma4_hf_name(gguf_name: str) -> str:
 def check_not_assistant(arch: str, path: Path) -> None:
     if arch == "gemma4-assistant":
         raise SpecDecodeError(f"{path} is a Gemma 4 assistant (a drafter): load its model's own file, and name this "
-                              "one's Hugging Face folder with --draft-model for --spec-type mtp")
+                              "one with --draft-model for --spec-type mtp")
