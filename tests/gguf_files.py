@@ -169,10 +169,7 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
         stored[name] = (data, qtype)
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", rope_factors, raw_dtype=F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return stored
 
 
@@ -303,11 +300,21 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
             elif part == "mtp":
                 continue  # a companion holds no trunk block
             gguf_name = f"blk.{block}.{_QWEN35_BLOCK[rest]}"
-        data = np.ascontiguousarray(qwen35_stored(name, weight.astype(np.float32), config))
-        if data.ndim == 2 and matrices == F16 and not gguf_name.endswith("conv1d.weight"):
-            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
-        else:
-            writer.add_tensor(gguf_name, data, raw_dtype=F32)
+        data = qwen35_stored(name, weight.astype(np.float32), config)
+        add_float(writer, gguf_name, data, matrices if not gguf_name.endswith("conv1d.weight") else F32)
+    finish(writer)
+
+
+def add_float(writer: gguf.GGUFWriter, name: str, data: np.ndarray, matrices=F32) -> None:
+    """A float tensor as a converter stores it: matrices in `matrices` (F32 or F16), vectors in F32."""
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if data.ndim == 2 and matrices == F16:
+        writer.add_tensor(name, data.astype(np.float16), raw_dtype=F16)
+    else:
+        writer.add_tensor(name, data, raw_dtype=F32)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -343,17 +350,9 @@ def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
     gemma4_header(writer, config)
     for name, weight in hf_weights(hf_folder).items():
         gguf_name = gemma4_gguf_name(name)
-        if gguf_name is None:
-            continue  # a multimodal checkpoint's towers
-        data = np.ascontiguousarray(weight.astype(np.float32))
-        if data.ndim == 2 and matrices == F16:
-            writer.add_tensor(gguf_name, data.astype(np.float16), raw_dtype=F16)
-        else:
-            writer.add_tensor(gguf_name, data, raw_dtype=F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        if gguf_name is not None:  # else a multimodal checkpoint's towers
+            add_float(writer, gguf_name, weight, matrices)
+    finish(writer)
 
 
 def gemma4_gguf_name(name: str) -> str | None:
@@ -435,8 +434,5 @@ def write_gemma4_assistant_gguf(path: Path, folder: Path) -> None:
             continue
         else:
             gguf_name = gemma4_gguf_name(name)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(weight.astype(np.float32)), raw_dtype=F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_float(writer, gguf_name, weight)
+    finish(writer)

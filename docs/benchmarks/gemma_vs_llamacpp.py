@@ -10,7 +10,7 @@ No Gemma 4 weights can be had offline, so random weights of google/gemma-4-E2B-i
 20 layers KV-shared with a double-wide MLP, per-layer embeddings of 256, 262,144 tokens) are written as a
 float16 GGUF in llama.cpp's gemma4 layout (tests/gguf_files.gemma4_header, as its converter writes one) and
 quantized by llama.cpp's own `llama-quantize ... Q4_K_M`. Both engines then read that one file with the same
-threads, in turns (hybrid_vs_llamacpp.py's llama_cpp_speed and our_speed: decode after a one-token prompt, and a
+threads, in turns (llamacpp_runs.py: decode after a one-token prompt, and a
 prompt's prefill).
 
 Then, on our side:
@@ -24,7 +24,6 @@ Then, on our side:
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from bench_files import write_report
-from hybrid_vs_llamacpp import llama_cpp_speed, our_speed
+from llamacpp_runs import alternate_rounds, speed_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
@@ -163,27 +162,14 @@ def main() -> int:
     load_seconds = time.perf_counter() - began
     engine = Engine(loaded, loaded, draft_path=str(assistant), draft_quant="w4a8")
     engine.complete([300], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
-    phases = {"decode": (0, args.tokens), "prefill": (args.prompt, 0)}
-    runs = {phase: {"llama_cpp": [], "ours": []} for phase in phases}
-    for round_ in range(args.rounds):
-        for phase, (prompt, tokens) in phases.items():
-            runs[phase]["llama_cpp"].append(llama_cpp_speed(args.llama_bin, model_file, prompt, tokens, threads))
-            runs[phase]["ours"].append(our_speed(engine, max(prompt, 1), max(tokens, 1)))
-            print(f"round {round_ + 1} {phase}: llama.cpp {runs[phase]['llama_cpp'][-1]:.1f} tokens/s, ours "
-                  f"{runs[phase]['ours'][-1]:.1f}", flush=True)
+    runs = alternate_rounds(engine, args.llama_bin, model_file, args.rounds, args.tokens, args.prompt)
     spec = speculation(engine, 64)
     result = {"shape": "gemma-4-e2b", "file": model_file.name, "bytes": model_file.stat().st_size, "threads": threads,
               "our_quant": loaded.quant, "load_seconds": load_seconds, "tokens": args.tokens, "prompt": args.prompt,
               "runs": runs, "speculation": spec}
     lines = [(f"# Gemma 4 e2b shape, random weights, {model_file.name} ({model_file.stat().st_size / 2**20:.0f} MiB), "
               f"{threads} threads"), "",
-             "| phase | llama.cpp tokens/s (median) | ours tokens/s (median) | ours / llama.cpp | per round |",
-             "|---|---:|---:|---:|---|"]
-    for phase, run in runs.items():
-        theirs, ours = statistics.median(run["llama_cpp"]), statistics.median(run["ours"])
-        per_round = ", ".join(f"{o / t:.2f}" for t, o in zip(run["llama_cpp"], run["ours"]))
-        label = f"decode {args.tokens}" if phase == "decode" else f"prefill {args.prompt}"
-        lines.append(f"| {label} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {per_round} |")
+             *speed_table(runs, args.tokens, args.prompt)]
     lines += ["", (f"ours loaded as {loaded.quant} (first load, building the cached copy: {load_seconds:.0f} s); "
                    "greedy speculation against plain decoding, 64 tokens, chains of 3:")]
     for method in ("draft", "mtp"):

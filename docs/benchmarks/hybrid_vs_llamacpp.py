@@ -28,16 +28,14 @@ speculation runs here.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from bench_files import write_report
 from hybrid_costs import SHAPES, write_random
+from llamacpp_runs import alternate_rounds, speed_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
@@ -53,36 +51,6 @@ def quantized_file(folder: Path, work: Path, bin_dir: Path) -> Path:
         subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M", str(torch.get_num_threads())],
                        check=True, stdout=subprocess.DEVNULL)
     return q4
-
-
-def llama_cpp_speed(bin_dir: Path, model: Path, prompt: int, tokens: int, threads: int) -> float:
-    """llama-bench's tokens/s reading `prompt` tokens (tokens=0) or generating `tokens` from an empty context
-    (prompt=0), one repetition."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(prompt), "-n", str(tokens),
-                          "-t", str(threads), "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
-    return float(json.loads(out.stdout)[0]["avg_ts"])
-
-
-def our_speed(engine, prompt: int, tokens: int) -> float:
-    """Our tokens/s reading a `prompt`-token prompt (tokens=1: its read alone is timed) or decoding `tokens`
-    after a one-token prompt (the tokens after the first over the time after the prefill)."""
-    from specdecode import SamplingParams, SpecConfig
-
-    ids = torch.randint(300, engine.target.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
-    request = engine.begin(ids.tolist(), SamplingParams(max_tokens=tokens, ignore_eos=True), SpecConfig("none"),
-                           reuse_prefix=False)
-    began = time.perf_counter()
-    engine.prefill(request)
-    if tokens == 1:
-        seconds = time.perf_counter() - began
-        engine.finish(request)
-        return prompt / seconds
-    began = time.perf_counter()
-    while request.generated < tokens:
-        engine.step(request)
-    seconds = time.perf_counter() - began
-    engine.finish(request)
-    return (tokens - 1) / seconds
 
 
 def speculation_identical(engine, tokens: int) -> dict:
@@ -123,27 +91,14 @@ def main() -> int:
     loaded = load_model(model_file, dtype="auto", quant="auto")
     engine = Engine(loaded, loaded)  # the target as its own draft model (speculation_identical)
     engine.complete([300], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
-    phases = {"decode": (0, args.tokens), "prefill": (args.prompt, 0)}
-    runs = {phase: {"llama_cpp": [], "ours": []} for phase in phases}
-    for round_ in range(args.rounds):
-        for phase, (prompt, tokens) in phases.items():
-            runs[phase]["llama_cpp"].append(llama_cpp_speed(args.llama_bin, model_file, prompt, tokens, threads))
-            runs[phase]["ours"].append(our_speed(engine, max(prompt, 1), max(tokens, 1)))
-            print(f"round {round_ + 1} {phase}: llama.cpp {runs[phase]['llama_cpp'][-1]:.1f} tokens/s, ours "
-                  f"{runs[phase]['ours'][-1]:.1f}", flush=True)
+    runs = alternate_rounds(engine, args.llama_bin, model_file, args.rounds, args.tokens, args.prompt)
     identity = speculation_identical(engine, args.tokens)
     result = {"shape": args.shape, "file": model_file.name, "bytes": model_file.stat().st_size, "threads": threads,
               "our_quant": loaded.quant, "tokens": args.tokens, "prompt": args.prompt, "runs": runs,
               "speculation": identity}
     lines = [(f"# Qwen 3.5 {args.shape} shape, random weights, {model_file.name} "
              f"({model_file.stat().st_size / 2**20:.0f} MiB), {threads} threads"), "",
-             "| phase | llama.cpp tokens/s (median) | ours tokens/s (median) | ours / llama.cpp | per round |",
-             "|---|---:|---:|---:|---|"]
-    for phase, run in runs.items():
-        theirs, ours = statistics.median(run["llama_cpp"]), statistics.median(run["ours"])
-        per_round = ", ".join(f"{o / t:.2f}" for t, o in zip(run["llama_cpp"], run["ours"]))
-        label = f"decode {args.tokens}" if phase == "decode" else f"prefill {args.prompt}"
-        lines.append(f"| {label} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {per_round} |")
+             *speed_table(runs, args.tokens, args.prompt)]
     lines += ["", f"ours loaded as {loaded.quant}; greedy speculation against plain decoding, {args.tokens} tokens: "
               + "; ".join(f"{m} {'identical' if r['identical'] else 'DIFFERS'} ({r['accepted']}/{r['drafted']} "
                           "drafts accepted)" for m, r in identity.items())]
