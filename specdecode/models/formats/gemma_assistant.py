@@ -2,8 +2,8 @@
 in transformers' layout (config.json of model_type gemma4_assistant with a text_config, and safetensors), or a GGUF
 file in llama.cpp's `gemma4-assistant` layout (its converter's Gemma4AssistantModel: the gemma4 metadata under
 that architecture, `embedding_length_out` for the target's hidden size, `nextn.pre_projection` and
-`nextn.post_projection`, the layers as gemma4's; it drops the centroid head, so such a file drafts through the
-full output head).
+`nextn.post_projection`, the layers as gemma4's; its converter drops the centroid head, so such a file drafts
+through the full output head unless it carries `masked_embd_centroids` and `masked_embd_ordering`).
 
 Stored names (without "model."): layers.N.* (queries, output, norms, MLP, layer_scalar: every layer reads the
 target's keys and values), norm, embed_tokens (the output head, tied) or lm_head, pre_projection,
@@ -29,7 +29,8 @@ WHAT = "a Gemma 4 assistant"
 GGUF_ARCHITECTURE = "gemma4-assistant"
 _GGUF_NAMES = {"nextn.pre_projection.weight": "pre_projection.weight",
                "nextn.post_projection.weight": "post_projection.weight",
-               "masked_embd_centroids.weight": "masked_embedding.centroids.weight"}
+               "masked_embd_centroids.weight": "masked_embedding.centroids.weight",
+               "masked_embd_ordering": "masked_embedding.token_ordering"}  # no ".weight" in llama.cpp's name
 
 
 def is_assistant_folder(path: Path) -> bool:
