@@ -98,6 +98,20 @@ def gguf_tokens(size: int = TINY_VOCAB) -> tuple[list[str], list[int], list[str]
     return tokens, types, merges
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, size: int, pre: str) -> None:
+    """gguf_tokens' byte vocabulary as a "gpt2" tokenizer, its chat template, and <|endoftext|> as BOS and EOS
+    (like Qwen's files: <|im_end|> must come from the vocabulary)."""
+    tokens, types, merges = gguf_tokens(size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
                rope_factors: np.ndarray | None = None,
                qtypes: dict[str, gguf.GGMLQuantizationType] | None = None, part: str = "all",
@@ -132,15 +146,7 @@ def write_gguf(path: Path, hf_folder: Path, arch: str, quantized: bool = True,
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    tokens, types, merges = gguf_tokens()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))  # like Qwen's files: <|im_end|> must come from the vocab
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_vocabulary(writer, TINY_VOCAB, "qwen2" if arch == "qwen2" else "llama-bpe")
 
     stored = {}
     for name, weight in hf_weights(hf_folder).items():
@@ -275,15 +281,7 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
     # The test configs' layer kinds are not every-4th: the file names them, as newer conversions do.
     writer.add_array("qwen35.attention.recurrent_layers",
                      [kind == "linear_attention" for kind in kinds] + [False] * nextn)
-    tokens, types, merges = gguf_tokens(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_vocabulary(writer, config["vocab_size"], "qwen35")
     for name, weight in hf_weights(hf_folder).items():
         if name in _GLOBAL:
             gguf_name = _GLOBAL[name][0]
@@ -319,120 +317,3 @@ def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-# Gemma 4's tensors (after "model.layers.N." or "model.language_model.layers.N.") -> llama.cpp's gemma4 names.
-_GEMMA4_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "per_layer_input_gate.weight": "inp_gate.weight",
-    "per_layer_projection.weight": "proj.weight", "post_per_layer_input_norm.weight": "post_norm.weight",
-    "layer_scalar": "layer_output_scale.weight",
-}
-_GEMMA4_GLOBAL = {
-    "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-    "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
-    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
-    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight", "lm_head.weight": "output.weight",
-}
-
-
-def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
-    """`hf_folder`'s Gemma 4 text model as llama.cpp's converter writes it (architecture "gemma4", gemma4_header);
-    float32, or its matrices in `matrices` (F16 for llama-quantize)."""
-    config = json.loads((hf_folder / "config.json").read_text())
-    config = config.get("text_config", config)
-    writer = gguf.GGUFWriter(str(path), "gemma4")
-    gemma4_header(writer, config)
-    for name, weight in hf_weights(hf_folder).items():
-        gguf_name = gemma4_gguf_name(name)
-        if gguf_name is not None:  # else a multimodal checkpoint's towers
-            add_float(writer, gguf_name, weight, matrices)
-    finish(writer)
-
-
-def gemma4_gguf_name(name: str) -> str | None:
-    """A Gemma 4 Hugging Face tensor name -> llama.cpp's, None for what its text model does not hold."""
-    name = name.removeprefix("model.").removeprefix("language_model.")
-    if name in _GEMMA4_GLOBAL:
-        return _GEMMA4_GLOBAL[name]
-    if name.startswith("layers."):
-        _, block, rest = name.split(".", 2)
-        return f"blk.{block}.{_GEMMA4_BLOCK[rest]}"
-    return None
-
-
-def gemma4_header(writer: gguf.GGUFWriter, config: dict) -> None:
-    """A gemma4_text config's metadata, the tokenizer and the rope_freqs tensor as llama.cpp's converter writes
-    them: per-layer arrays where the layer kinds differ (KV heads, the double-wide MLP's sizes, the sliding
-    pattern), both head sizes, the full layers' proportional rope as rope_freqs factors (1 rotating, 1e30 not).
-    Norms are stored as they are and the layer scalars as layer_output_scale (the tensors' part)."""
-    layers, kinds = config["num_hidden_layers"], config["layer_types"]
-    full = kinds.index("full_attention")
-    per_layer = (config.get("per_layer_config") or {}).get(str(full), {})
-    head_dim = config["head_dim"]
-    global_head_dim = per_layer.get("head_dim", config.get("global_head_dim", head_dim))
-    kv_heads = config["num_key_value_heads"]
-    global_kv = per_layer.get("num_key_value_heads", kv_heads)
-    first_shared = layers - config["num_kv_shared_layers"]
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(layers)
-    inner = config["intermediate_size"]
-    writer.add_feed_forward_length([inner * (2 if i >= first_shared else 1) for i in range(layers)]
-                                   if config["use_double_wide_mlp"] else inner)
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv([kv_heads if kind == "sliding_attention" else global_kv for kind in kinds])
-    writer.add_key_length(global_head_dim)
-    writer.add_value_length(global_head_dim)
-    writer.add_key_length_swa(head_dim)
-    writer.add_value_length_swa(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config["rope_parameters"]
-    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
-    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    writer.add_rope_dimension_count(global_head_dim)
-    writer.add_rope_dimension_count_swa(head_dim)
-    if config.get("final_logit_softcapping"):
-        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
-    writer.add_sliding_window(config["sliding_window"])
-    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
-    writer.add_shared_kv_layers(config["num_kv_shared_layers"])
-    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
-    tokens, types, merges = gguf_tokens(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
-    rotating = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim / 2)
-    factors = np.array([1.0] * rotating + [1e30] * (global_head_dim // 2 - rotating), dtype=np.float32)
-    writer.add_tensor("rope_freqs.weight", factors, raw_dtype=F32)
-
-
-def write_gemma4_assistant_gguf(path: Path, folder: Path) -> None:
-    """A Gemma 4 assistant folder (transformers' layout) as llama.cpp's converter writes it: architecture
-    "gemma4-assistant", gemma4's metadata and layers, embedding_length_out (the target's hidden size),
-    nextn_predict_layers, nextn.pre_projection and nextn.post_projection; the centroid head dropped, as it does."""
-    config = json.loads((folder / "config.json").read_text())
-    text = config["text_config"]
-    writer = gguf.GGUFWriter(str(path), "gemma4-assistant")
-    gemma4_header(writer, text)
-    writer.add_embedding_length_out(config["backbone_hidden_size"])
-    writer.add_nextn_predict_layers(text["num_hidden_layers"])
-    for name, weight in hf_weights(folder).items():
-        if name in ("pre_projection.weight", "post_projection.weight"):
-            gguf_name = f"nextn.{name}"
-        elif name.startswith("masked_embedding."):
-            continue
-        else:
-            gguf_name = gemma4_gguf_name(name)
-        add_float(writer, gguf_name, weight)
-    finish(writer)

@@ -97,7 +97,7 @@ def test_a_gemma4_gguf_file_loads_as_its_folder(gemma_folder, tmp_path, quant):
     """llama.cpp's gemma4 layout (tests/gguf_files.py writes it as its converter does): the same model as the
     folder it was written from, in float (logits within 1e-4) and on the w4a8 kernel (within the kernel's own
     rounding of the same weights: the same top token at most positions)."""
-    from gguf_files import write_gemma4_gguf
+    from gguf_gemma4_files import write_gemma4_gguf
 
     from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 

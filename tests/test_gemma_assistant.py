@@ -156,7 +156,7 @@ def test_inspect_lists_the_assistant_beside_the_model(tmp_path):
 def test_a_gemma4_assistant_gguf_file_drafts_as_its_folder(target_folder, tmp_path):
     """llama.cpp's gemma4-assistant layout (its converter drops the centroid head, so a folder with the full
     output head is the reference): the same draft logits, and `mtp` takes the file from --draft-model."""
-    from gguf_files import write_gemma4_assistant_gguf
+    from gguf_gemma4_files import write_gemma4_assistant_gguf
 
     folder = save_assistant(tmp_path / "assistant", target_folder, follow=True)
     path = tmp_path / "gemma-assistant.gguf"

@@ -8,8 +8,8 @@ llama.cpp llama-cpp-python 0.3.36 bundles has the gemma4 architecture).
 No Gemma 4 weights can be had offline, so random weights of google/gemma-4-E2B-it's text shape (35 layers of
 1536, 8 query heads and 1 KV head of 256 in sliding layers and 512 in full ones, every fifth layer full, the last
 20 layers KV-shared with a double-wide MLP, per-layer embeddings of 256, 262,144 tokens) are written as a
-float16 GGUF in llama.cpp's gemma4 layout (tests/gguf_files.gemma4_header, as its converter writes one) and
-quantized by llama.cpp's own `llama-quantize ... Q4_K_M`. Both engines then read that one file with the same
+float16 GGUF in llama.cpp's gemma4 layout (tests/gguf_gemma4_files.gemma4_header, as its converter writes
+one) and quantized by llama.cpp's own `llama-quantize ... Q4_K_M`. Both engines then read that one file with the same
 threads, in turns (llamacpp_runs.py: decode after a one-token prompt, and a
 prompt's prefill).
 
@@ -67,7 +67,7 @@ def write_random_gguf(path: Path) -> None:
     """The e2b shape with random weights as a float16 gemma4 GGUF (norms and layer scalars 1, float32), each
     tensor written to a temporary file as it is made, so memory holds one at a time."""
     import gguf
-    from gguf_files import gemma4_gguf_name, gemma4_header
+    from gguf_gemma4_files import gemma4_gguf_name, gemma4_header
 
     from specdecode.models.formats.gemma_names import gemma_shapes, gemma_sources
     from specdecode.models.model_config import ModelConfig

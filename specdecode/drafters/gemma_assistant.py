@@ -36,8 +36,8 @@ class GemmaAssistantDrafter(Drafter):
         self.slots = {kind: target.shared_slot(kind) for kind in set(assistant.config.layer_types)}
 
     @classmethod
-    def create(cls, resources: DrafterResources, options=None) -> GemmaAssistantDrafter:
-        path = assistant_path(resources)
+    def create_from(cls, resources: DrafterResources, path: Path) -> GemmaAssistantDrafter:
+        """The drafter over the assistant at `path` (assistant_path's), loaded once per Engine."""
         model = resources.target.model
         key = f"gemma4-assistant:{path.resolve()}"
         if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in

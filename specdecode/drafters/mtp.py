@@ -109,8 +109,9 @@ class MTPDrafter(Drafter):
     def create(cls, resources: DrafterResources, options: MTPOptions) -> Drafter:
         model = resources.target.model
         config = model.config
-        if not config.mtp_layers and assistant_path(resources) is not None:
-            return GemmaAssistantDrafter.create(resources)  # Gemma 4 ships its MTP as an assistant model
+        assistant = None if config.mtp_layers else assistant_path(resources)
+        if assistant is not None:  # Gemma 4 ships its MTP as an assistant model
+            return GemmaAssistantDrafter.create_from(resources, assistant)
         companion = _companion(resources)
         if not config.mtp_layers and companion is None:
             raise SpecDecodeError(_no_mtp_layers(resources))

@@ -85,7 +85,7 @@ class GemmaAttention(nn.Module):
         if self.attend is not None:
             return self.o(self._fixed_order(q, k, v, cache, slot, mask))
         if self.shares_kv:
-            keys, values = cache.read(slot, new, *self.cache_shape)  # [B, Hc, S, Dc] each
+            keys, values = cache.read(slot, new)  # [B, Hc, S, Dc] each
         else:
             keys, values = cache.write(slot, self.to_slot(k), self.to_slot(v))
         return self.o(attend(q, self.from_slot(keys), self.from_slot(values), mask))
@@ -158,8 +158,6 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    rope_dtype: torch.dtype | None = None  # as DecoderLayer's: the model's dtype
-
     def __init__(self, config: ModelConfig, index: int, per_layer_size: int | None = None):
         """`per_layer_size`: the PLE width (None: the config's; an assistant's layers have none)."""
         super().__init__()

@@ -49,20 +49,19 @@ class KVCache:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [B, Hkv, T, D] after each sequence's current length (not yet advanced).
 
-        Returns the layer's keys and values [B, Hkv, S_used, D] covering every slot a query may see. A layer with
-        fewer heads or a smaller head size than the cache's (Gemma 4's sliding layers) uses the leading part.
+        Returns the layer's keys and values [B, Hkv, S_used, D] covering every slot a query may see.
         """
-        new, heads, dim = keys.shape[2], keys.shape[1], keys.shape[3]
+        new = keys.shape[2]
         for b, start in enumerate(self.lengths):
-            self.keys[layer, b, :heads, start : start + new, :dim] = keys[b]
-            self.values[layer, b, :heads, start : start + new, :dim] = values[b]
-        return self.read(layer, new, heads, dim)
+            self.keys[layer, b, :, start : start + new] = keys[b]
+            self.values[layer, b, :, start : start + new] = values[b]
+        return self.read(layer, new)
 
-    def read(self, layer: int, new: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, heads, S_used, dim] another layer wrote this forward for its `new` tokens (what a
+    def read(self, layer: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, S_used, D] another layer wrote this forward for its `new` tokens (what a
         Gemma 4 KV-shared layer attends to)."""
         used = max(self.lengths) + new
-        return self.keys[layer, :, :heads, :used, :dim], self.values[layer, :, :heads, :used, :dim]
+        return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
 
     def end_state(self) -> None:
         """What a cache holds beyond its KV rows after the last one (a hybrid cache's recurrent states); a KV
@@ -177,10 +176,10 @@ class CacheBatch:
             seen_values.append(torch.nn.functional.pad(v, pad))
         return torch.cat(seen_keys), torch.cat(seen_values)
 
-    def read(self, layer: int, new: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As KVCache.read, stacked and padded as `write`."""
         used = max(self.lengths) + new
-        parts = [cache.read(layer, new, heads, dim) for cache in self.caches]  # [1, heads, S_b, dim] each
+        parts = [cache.read(layer, new) for cache in self.caches]  # [1, Hkv, S_b, D] each
         pads = [(0, 0, 0, used - k.shape[2]) for k, _ in parts]
         return (torch.cat([torch.nn.functional.pad(k, pad) for (k, _), pad in zip(parts, pads)]),
                 torch.cat([torch.nn.functional.pad(v, pad) for (_, v), pad in zip(parts, pads)]))

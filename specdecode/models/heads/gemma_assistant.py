@@ -98,6 +98,6 @@ class _SlotView:
     def __init__(self, cache: KVCache, first: int):
         self.cache, self.first = cache, first
 
-    def read(self, layer: int, new: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.cache.read(layer, 0, heads, dim)  # [1, Hkv, S, D] each
+    def read(self, layer: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.read(layer, 0)  # [1, Hc, S, Dc] each: the assistant's token is not in it
         return keys[:, :, self.first :], values[:, :, self.first :]

@@ -12,21 +12,16 @@ from torch import nn
 
 from specdecode.models.decoder.gemma import GemmaTransformer
 from specdecode.models.decoder.packed_linear import rows_invariant
-from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from specdecode.models.kernels.fixed_order import attention_unavailable, layer_linears
+from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
 
 def fix_gemma_layers(model: GemmaTransformer) -> str | None:
     """Give every attention layer the fixed-order attention where the matmuls are row-invariant here -> None when
     done, else why not (the layers stay on PyTorch's attention)."""
-    if model.device.type != "cpu" or model.dtype not in _DTYPES:
-        return f"the fixed-order attention runs on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
-    if model.cache_shape[1] % 16:
-        return f"the fixed-order attention needs a head size that is a multiple of 16, not {model.cache_shape[1]}"
-    reason = w4a8_unavailable()
+    reason = attention_unavailable(model.device, model.dtype, model.cache_shape[1])
     if reason is not None:
-        return f"the attention kernel is unavailable: {reason}"
+        return reason
     # w4a8's kernel is row-invariant by construction; any other kind (float, packed for oneDNN, int8 where a
     # small layer does not fit w4a8's tiles) is probed, one of each kind and shape class per layer.
     linears = [linear for linear in _linears(model) if not isinstance(linear, W4A8Linear)]
@@ -55,11 +50,6 @@ def gemma_batch_invariant(model: GemmaTransformer) -> bool:
         model.lm_head, "rows_invariant_checked", False)
 
 
-def _layer_linears(layer: nn.Module) -> list[nn.Module]:
-    """Every matmul of a layer, whatever its kind (nn.Linear, packed, quantized: each has in_features)."""
-    return [module for module in layer.modules() if hasattr(module, "in_features") and not list(module.children())]
-
-
 def _linears(model: GemmaTransformer) -> list[nn.Module]:
     extra = [model.per_layer_projection] if model.config.gemma.per_layer_size else []
-    return [linear for layer in model.layers for linear in _layer_linears(layer)] + extra + [model.lm_head]
+    return [linear for layer in model.layers for linear in layer_linears(layer)] + extra + [model.lm_head]

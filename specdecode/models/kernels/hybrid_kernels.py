@@ -13,21 +13,16 @@ from torch import nn
 
 from specdecode.models.decoder.hybrid import HybridTransformer
 from specdecode.models.decoder.packed_linear import rows_invariant
-from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from specdecode.models.kernels.fixed_order import attention_unavailable, layer_linears
+from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
 
 def fix_hybrid_layers(model: HybridTransformer) -> str | None:
     """Give every full-attention layer the fixed-order attention where the matmuls are row-invariant here ->
     None when done, else why not (the layers stay on PyTorch's attention)."""
-    if model.device.type != "cpu" or model.dtype not in _DTYPES:
-        return f"the fixed-order attention runs on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
-    if model.config.head_dim % 16:
-        return f"the fixed-order attention needs a head size that is a multiple of 16, not {model.config.head_dim}"
-    reason = w4a8_unavailable()
+    reason = attention_unavailable(model.device, model.dtype, model.config.head_dim)
     if reason is not None:
-        return f"the attention kernel is unavailable: {reason}"
+        return reason
     linears = _linears(model)
     w4a8 = all(isinstance(linear, W4A8Linear) for linear in linears)
     if not w4a8:
@@ -35,7 +30,7 @@ def fix_hybrid_layers(model: HybridTransformer) -> str | None:
             return "its linear layers are packed for oneDNN only in part"
         generator = torch.Generator().manual_seed(0)
         probes = {type(layer.mixer): layer for layer in model.layers}.values()
-        samples = [linear for layer in probes for linear in _layer_linears(layer)] + [model.lm_head]
+        samples = [linear for layer in probes for linear in layer_linears(layer)] + [model.lm_head]
         if not all(rows_invariant(linear, generator, model.dtype) for linear in samples):
             return "the matmul on this CPU sums in an order that depends on the number of rows"
     kernel = load_kernel()
@@ -60,10 +55,5 @@ def hybrid_batch_invariant(model: HybridTransformer) -> bool:
                                                                           False)
 
 
-def _layer_linears(layer: nn.Module) -> list[nn.Module]:
-    """Every matmul of a layer, whatever its kind (nn.Linear, packed, quantized: each has in_features)."""
-    return [module for module in layer.modules() if hasattr(module, "in_features") and not list(module.children())]
-
-
 def _linears(model: HybridTransformer) -> list[nn.Module]:
-    return [linear for layer in model.layers for linear in _layer_linears(layer)] + [model.lm_head]
+    return [linear for layer in model.layers for linear in layer_linears(layer)] + [model.lm_head]
