@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+from quant_quality import answer_logits
 from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
@@ -90,8 +91,7 @@ def replace(model: nn.Module, name: str, weight: torch.Tensor, dtype: torch.dtyp
 def agreement(model: nn.Module, sequences: list[tuple[list[int], int]]) -> float:
     agreed = total = 0
     for ids, start in sequences:
-        out = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), model.new_cache(len(ids)))
-        predicted = out.logits[0, start - 1 : -1].argmax(-1)  # [A]
+        predicted = answer_logits(model, ids, start).argmax(-1)  # [A]
         agreed += int((predicted == torch.tensor(ids[start:])).sum())
         total += len(ids) - start
     return agreed / total
