@@ -14,6 +14,7 @@ from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.loader import load_model
+from specdecode.training.data import code_texts
 from specdecode.training.dflash import block_objective, chained_hits, choose_anchors, new_dflash, train_dflash
 from specdecode.training.eagle3 import default_layer_ids, feature_columns
 from specdecode.training.features import Shard, check_manifest, extract
@@ -60,19 +61,19 @@ def test_a_tiny_drafter_learns_and_drafts_losslessly(target, tmp_path):
     layers = tuple(sorted({*default_layer_ids(target.config.num_layers), target.config.num_layers}))
     features = tmp_path / "features"
     check_manifest(features, {"layer_ids": list(layers), "max_len": 160})
-    extract(target, layers, iter(list(training_texts(2))), features, {"train": 3000, "held_out": 600},
+    extract(target, layers, training_texts(), features, {("train", "code"): 3000, ("held_out", "code"): 600},
             answer_tokens=16, max_len=160, quiet=True)
     settings = TrainSettings(modules=1, intermediate_size=64, block_size=4, anchors=8, epochs=6, lr=3e-3,
                              eval_every=10)
     curve = []
     result = train_dflash(target, features, tmp_path / "out", settings, quiet=True,
                           on_eval=lambda step, tokens, accuracy: curve.append(accuracy))
-    assert len(result["held_out_accuracy"]) == 3  # one rate per drafting slot
-    assert expected_accepted(curve[-1]) > expected_accepted(curve[0])  # it learns
+    assert len(result["held_out_accuracy"]["code"]) == 3  # one rate per drafting slot
+    assert expected_accepted(curve[-1]["code"]) > expected_accepted(curve[0]["code"])  # it learns
     engine = Engine(target, draft_path=tmp_path / "out")
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     accepted = 0
-    for text in [t.text for t in itertools.islice(training_texts(0), 4)]:  # code like what it learnt from
+    for text in [t.text for t in itertools.islice(code_texts(), 4)]:  # code like what it learnt from
         drafted = engine.complete(text[:200], sampling, SpecConfig("dflash", guard=False), raw=True)
         assert drafted.token_ids == engine.complete(text[:200], sampling, raw=True).token_ids
         accepted += drafted.stats.accepted_tokens
@@ -82,7 +83,7 @@ def test_a_tiny_drafter_learns_and_drafts_losslessly(target, tmp_path):
 def test_the_train_dflash_command(tmp_path, capsys):
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     args = ["train", "dflash", "--target", str(folder), "--out", str(tmp_path / "out"), "--dtype", "float32",
-            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--answers", "1", "--answer-tokens",
+            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--code-share", "1", "--answer-tokens",
             "8", "--max-len", "96", "--block-size", "4", "--num-layers", "1", "--intermediate-size", "32",
             "--epochs", "1", "--eval-every", "4", "--quiet"]
     assert main(args) == 0

@@ -14,6 +14,7 @@ from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.heads.dspark import DSparkHeads
 from specdecode.models.loader import load_model
+from specdecode.training.data import code_texts
 from specdecode.training.dflash import choose_anchors
 from specdecode.training.dspark import dspark_objective, new_dspark, train_dspark
 from specdecode.training.eagle3 import default_layer_ids, feature_columns
@@ -71,15 +72,15 @@ def test_a_tiny_drafter_learns_resumes_and_drafts_losslessly(target, tmp_path):
     layers = tuple(sorted({*default_layer_ids(target.config.num_layers), target.config.num_layers}))
     features = tmp_path / "features"
     check_manifest(features, {"layer_ids": list(layers), "max_len": 160})
-    extract(target, layers, iter(list(training_texts(2))), features, {"train": 3000, "held_out": 600},
+    extract(target, layers, training_texts(), features, {("train", "code"): 3000, ("held_out", "code"): 600},
             answer_tokens=16, max_len=160, quiet=True)
     settings = TrainSettings(modules=1, intermediate_size=64, block_size=4, anchors=8, epochs=6, lr=3e-3,
                              eval_every=10, markov_rank=16, markov_kind="gated")
     curve = []
     result = train_dspark(target, features, tmp_path / "out", settings, quiet=True,
                           on_eval=lambda step, tokens, accuracy: curve.append(accuracy))
-    assert len(result["held_out_accuracy"]) == 4  # one rate per slot: every slot drafts
-    assert expected_accepted(curve[-1]) > expected_accepted(curve[0])  # it learns
+    assert len(result["held_out_accuracy"]["code"]) == 4  # one rate per slot: every slot drafts
+    assert expected_accepted(curve[-1]["code"]) > expected_accepted(curve[0]["code"])  # it learns
     # Resuming a finished run trains nothing more and writes the same drafter.
     written = (tmp_path / "out" / "model.safetensors").read_bytes()
     again = train_dspark(target, features, tmp_path / "out", settings, quiet=True)
@@ -88,7 +89,7 @@ def test_a_tiny_drafter_learns_resumes_and_drafts_losslessly(target, tmp_path):
     engine = Engine(target, draft_path=tmp_path / "out")
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     accepted = 0
-    for text in [t.text for t in itertools.islice(training_texts(0), 4)]:  # code like what it learnt from
+    for text in [t.text for t in itertools.islice(code_texts(), 4)]:  # code like what it learnt from
         drafted = engine.complete(text[:200], sampling, SpecConfig("dspark", guard=False), raw=True)
         assert drafted.token_ids == engine.complete(text[:200], sampling, raw=True).token_ids
         accepted += drafted.stats.accepted_tokens
@@ -98,7 +99,7 @@ def test_a_tiny_drafter_learns_resumes_and_drafts_losslessly(target, tmp_path):
 def test_the_train_dspark_command(tmp_path, capsys):
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     args = ["train", "dspark", "--target", str(folder), "--out", str(tmp_path / "out"), "--dtype", "float32",
-            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--answers", "1", "--answer-tokens",
+            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--code-share", "1", "--answer-tokens",
             "8", "--max-len", "96", "--block-size", "4", "--num-layers", "1", "--intermediate-size", "32",
             "--markov-rank", "8", "--markov-head", "rnn", "--epochs", "1", "--eval-every", "4", "--quiet"]
     assert main(args) == 0

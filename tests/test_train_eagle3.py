@@ -3,6 +3,7 @@ run that learns, resuming, and a head that loads and drafts losslessly."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -93,20 +94,24 @@ def test_the_training_time_test_computes_what_inference_drafts(target, tmp_path)
 
 
 def test_a_tiny_head_learns_resumes_and_drafts_losslessly(target, tmp_path):
-    texts = list(training_texts(2))
+    texts = list(itertools.islice(training_texts(), 1200))
     features = tmp_path / "features"
     layer_ids = default_layer_ids(target.config.num_layers)
-    check_manifest(features, {"layer_ids": list(layer_ids), "max_len": 160})
-    budget = {"train": 3000, "held_out": 600}
-    done = extract(target, layer_ids, iter(texts), features, budget, answer_tokens=16, max_len=160, quiet=True)
-    assert done["train"] >= 3000 and done["held_out"] >= 600
-    assert extract(target, layer_ids, iter(texts), features, budget, 16, 160, quiet=True) == done  # nothing redone
+    check_manifest(features, {"layer_ids": list(layer_ids), "max_len": 256})
+    budget = {("train", "code"): 2400, ("train", "answer"): 600, ("held_out", "code"): 400,
+              ("held_out", "answer"): 200}
+    done = extract(target, layer_ids, iter(texts), features, budget, answer_tokens=16, max_len=256, quiet=True)
+    assert all(done[key] >= tokens for key, tokens in budget.items()), done
+    names = [path.name for path in sorted((features / "held_out").iterdir())]
+    assert {name.split("-")[1] for name in names} == {"answer.safetensors", "code.safetensors"}
+    assert extract(target, layer_ids, iter(texts), features, budget, 16, 256, quiet=True) == done  # nothing redone
     settings = TrainSettings(draft_vocab=48, intermediate_size=64, epochs=6, lr=3e-3, eval_every=10)
     curve = []
     first = train_eagle3(target, features, tmp_path / "head", settings, quiet=True,
                          on_eval=lambda step, tokens, accuracy: curve.append((step, accuracy)))
     assert curve[0][0] == 0 and len(curve) >= 3
-    assert expected_accepted(curve[-1][1]) > expected_accepted(curve[0][1])  # it learns
+    assert set(curve[0][1]) == {"answer", "code"}  # held-out acceptance on each kind of text
+    assert expected_accepted(curve[-1][1]["code"]) > expected_accepted(curve[0][1]["code"])  # it learns
     assert target.model.embed.weight.grad is None  # the target's embedding is shared and frozen
     # Interrupted after its second measurement, then run again: it resumes and ends where an unbroken run ends.
     interrupted = tmp_path / "again"
@@ -136,7 +141,7 @@ def test_the_train_command(tmp_path, capsys):
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     out = tmp_path / "out"
     args = ["train", "eagle3", "--target", str(folder), "--out", str(out), "--dtype", "float32", "--quant", "none",
-            "--tokens", "800", "--held-out-tokens", "200", "--answers", "1", "--answer-tokens", "8",
+            "--tokens", "800", "--held-out-tokens", "200", "--code-share", "1", "--answer-tokens", "8",
             "--max-len", "128", "--draft-vocab", "32", "--intermediate-size", "32", "--epochs", "1",
             "--eval-every", "4", "--quiet"]
     assert main(args) == 0

@@ -69,7 +69,7 @@ def features(tmp_path_factory):
     layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))
     folder = root / "features"
     check_manifest(folder, {"layer_ids": list(layer_ids), "max_len": 160})
-    extract(target, layer_ids, iter(list(training_texts(2))), folder, {"train": 3000, "held_out": 600},
+    extract(target, layer_ids, training_texts(), folder, {("train", "code"): 3000, ("held_out", "code"): 600},
             answer_tokens=16, max_len=160, quiet=True)
     return target, folder
 
@@ -81,7 +81,7 @@ def test_tiny_mtp_layers_learn_resume_and_draft_losslessly(features, tmp_path):
     first = train_mtp(target, folder, tmp_path / "out", settings, quiet=True,
                       on_eval=lambda step, tokens, accuracy: curve.append((step, accuracy)))
     assert curve[0][0] == 0 and len(curve) >= 3
-    assert expected_accepted(curve[-1][1]) > expected_accepted(curve[0][1])  # it learns
+    assert expected_accepted(curve[-1][1]["code"]) > expected_accepted(curve[0][1]["code"])  # it learns
     assert first["draft_vocab"] == mtp_vocabulary(target, 272).numel() == 272
     interrupted = tmp_path / "again"
 
@@ -111,7 +111,7 @@ def test_a_gguf_target_gets_a_gguf_with_its_nextn_layers(tmp_path, capsys):
     gguf_path = tmp_path / "tiny.gguf"
     write_gguf(gguf_path, source, "llama", quantized=False)
     args = ["train", "mtp", "--target", str(gguf_path), "--out", str(tmp_path / "out"), "--dtype", "float32",
-            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--answers", "1",
+            "--quant", "none", "--tokens", "600", "--held-out-tokens", "150", "--code-share", "1",
             "--answer-tokens", "8", "--max-len", "96", "--draft-vocab", "100", "--epochs", "1", "--eval-every", "4",
             "--quiet"]
     assert main(args) == 0

@@ -43,10 +43,18 @@ def add_parser(commands) -> None:
     train.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
     train.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
                        "with the defaults below, about an hour on 2 CPU cores for a 1.5B target)")
-    train.add_argument("--held-out-tokens", type=int, default=4_000, help="held-out tokens (default 4000)")
-    train.add_argument("--answers", type=int, default=48,
-                       help="prompts the target answers itself, spread through the code text (default 48)")
-    train.add_argument("--answer-tokens", type=int, default=192, help="tokens per answer at most (default 192)")
+    train.add_argument("--held-out-tokens", type=int, default=6_000,
+                       help="held-out tokens of each kind, answers and code (default 6000)")
+    train.add_argument("--code-share", type=float, default=0.1,
+                       help="share of the training tokens that is the standard library's source, teacher-forced; "
+                       "the rest is the target's own answers to prompts (default 0.1: a drafter drafts the target's "
+                       "answers, and learns them several times faster from answers than from code)")
+    train.add_argument("--chat-prompts", type=int, default=0,
+                       help="chat prompts the target writes itself (Magpie) and then answers, beside the standard "
+                       "library's tasks (default 0: a 1.5B target's own prompts measured noisy and slow to write)")
+    train.add_argument("--answers", type=int, default=48, help="vocab: prompts the target answers (default 48)")
+    train.add_argument("--answer-tokens", type=int, default=384,
+                       help="tokens per answer at most (default 384: most answers end by themselves)")
     train.add_argument("--max-len", type=int, default=768, help="tokens per training sequence at most (default 768)")
     train.add_argument("--draft-vocab", type=int, default=16000,
                        help="draft vocabulary size (default 16000; published heads use 32000)")
@@ -75,12 +83,16 @@ def add_parser(commands) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.chat_prompts < 0:
+        raise SpecDecodeError(f"--chat-prompts must be >= 0, got {args.chat_prompts}")
     for name in ("tokens", "held_out_tokens", "answer_tokens", "max_len", "draft_vocab", "unroll", "epochs",
                  "eval_every", "anchors"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.answers < 0 or (args.intermediate_size is not None and args.intermediate_size < 1):
         raise SpecDecodeError("--answers must be >= 0 and --intermediate-size >= 1")
+    if not 0 <= args.code_share <= 1:
+        raise SpecDecodeError(f"--code-share must be in [0, 1], got {args.code_share}")
     if args.max_len < 16:
         raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
     if not 0 < args.lr < 1:
@@ -96,29 +108,35 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError(f"--block-size must be 2..33, got {args.block_size}")
 
 
-def training_texts(answers: int):
-    """Code pieces with `answers` prompts spread evenly through them, in a fixed order (resume relies on it)."""
+def training_texts(chat_prompts: list | None = None):
+    """The standard library's tasks, the target's own chat prompts and the code pieces taken in turn, in a fixed
+    order (resume relies on it); extraction takes each kind until its token budget is met."""
     from specdecode.training.data import code_texts, prompts
 
-    all_prompts = list(prompts())
-    chosen = all_prompts[:: max(1, len(all_prompts) // answers)][:answers] if answers else []
-    code = code_texts()
-    spacing = 12  # a prompt after every 12 code pieces, then the rest of the code
-    for prompt in chosen:
-        yield from itertools.islice(code, spacing)
-        yield prompt
-    yield from code
+    for texts in itertools.zip_longest(prompts(), chat_prompts or [], code_texts()):
+        yield from (text for text in texts if text is not None)
+
+
+def token_budget(args: argparse.Namespace) -> dict[tuple[str, str], int]:
+    """Tokens of features per (split, kind): --code-share of the training tokens teacher-forced code, the rest
+    the target's answers; --held-out-tokens of each kind held out."""
+    code = round(args.tokens * args.code_share)
+    budget = {("train", "answer"): args.tokens - code, ("train", "code"): code,
+              ("held_out", "answer"): args.held_out_tokens, ("held_out", "code"): args.held_out_tokens}
+    return {key: tokens for key, tokens in budget.items() if tokens > 0}
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdecode.models.loader import check_device, load_model
+    from specdecode.training.answers import ANSWER_BATCH
     from specdecode.training.dflash import train_dflash
     from specdecode.training.dspark import train_dspark
     from specdecode.training.eagle3 import default_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
-    from specdecode.training.loop import TrainSettings
+    from specdecode.training.loop import TrainSettings, describe
     from specdecode.training.mtp import train_mtp
+    from specdecode.training.self_prompts import self_prompts
 
     check_device(args.device)
     out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
@@ -134,12 +152,14 @@ def run(args: argparse.Namespace) -> int:
     layers = target.config.num_layers
     layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))  # EAGLE-3's three and the last (MTP's)
     manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
-                "layer_ids": list(layer_ids), "answers": args.answers, "answer_tokens": args.answer_tokens,
-                "max_len": args.max_len}
+                "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
+                "chat_prompts": args.chat_prompts if args.code_share < 1 else 0}
     check_manifest(features, manifest)
-    budget = {"train": args.tokens, "held_out": args.held_out_tokens}
-    done = extract(target, layer_ids, training_texts(args.answers), features, budget, args.answer_tokens,
+    chat = self_prompts(target, features, args.chat_prompts, ANSWER_BATCH, args.quiet) \
+        if args.chat_prompts and args.code_share < 1 else []
+    done = extract(target, layer_ids, training_texts(chat), features, token_budget(args), args.answer_tokens,
                    args.max_len, args.quiet)
+    trained_on = sum(tokens for (split, _), tokens in done.items() if split == "train")
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
     settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind != "mtp" else None,
                              modules=args.num_layers or (2 if args.kind in BLOCK_KINDS else 1), steps=args.unroll,
@@ -148,15 +168,14 @@ def run(args: argparse.Namespace) -> int:
                              eval_every=args.eval_every, device=args.device)
     curve_file = out / "learning_curve.jsonl"
 
-    def record(step: int, tokens: int, accuracy: list[float]) -> None:
+    def record(step: int, tokens: int, accuracy: dict[str, list[float]]) -> None:
         with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
     train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash, "dspark": train_dspark}[args.kind]
     result = train(target, features, out, settings, args.quiet, record)
-    rates = "/".join(f"{a:.2f}" for a in result["held_out_accuracy"])
-    print(f"wrote {out} ({done['train']} training tokens, draft vocabulary {result['draft_vocab']}); held-out "
-          f"acceptance by draft position {rates}; use it with: {_usage(args, out)}", file=sys.stderr)
+    print(f"wrote {out} ({trained_on} training tokens, draft vocabulary {result['draft_vocab']}); "
+          f"{describe(result['held_out_accuracy'])}; use it with: {_usage(args, out)}", file=sys.stderr)
     return 0
 
 

@@ -191,7 +191,7 @@ def _block_mask(starts: torch.Tensor, length: int, block: int) -> torch.Tensor:
 
 
 def train_dflash(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, list[float]], None] | None = None) -> dict:
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train a DFlash drafter on the shards in `features`; write it to `out` in z-lab's layout."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     boundaries = default_layer_ids(target.config.num_layers)

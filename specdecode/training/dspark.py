@@ -3,8 +3,8 @@ slot convention, with its Markov and confidence heads, in the one training loop 
 
 Slot k of a block anchored at a predicts the token at a+k+1 (slot 0 included), from the target's row a+k. Its
 logits are the head's plus the Markov correction by the token before it, teacher-forced (the data's token at
-a+k, the anchor's for slot 0): all slots in one projection (only the rnn kind's state runs slot after slot). Per slot, weighted
-exp(-k/4) and masked as DeepSpec's loss (deepspec/modeling/dspark/loss.py):
+a+k, the anchor's for slot 0): all slots in one projection (only the rnn kind's state runs slot after slot). Per
+slot, weighted exp(-k/4) and masked as DeepSpec's loss (deepspec/modeling/dspark/loss.py):
 
     cross-entropy against the target's top-K (renormalized)                        weight CE_WEIGHT
     total variation |q - p|_1 against the same p (q's mass outside the top-K counts whole)   weight TV_WEIGHT
@@ -89,7 +89,8 @@ def dspark_objective(model: DSparkModel, columns: torch.Tensor, rows: torch.Tens
     return objective
 
 
-def train_dspark(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False, on_eval: Callable[[int, int, list[float]], None] | None = None) -> dict:
+def train_dspark(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     boundaries = default_layer_ids(target.config.num_layers)

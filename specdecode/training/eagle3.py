@@ -88,8 +88,8 @@ def new_head(target: LoadedModel, layer_ids: tuple[int, ...], draft_ids: torch.T
     return head.to(settings.device)
 
 
-def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: TrainSettings,
-                 quiet: bool = False, on_eval: Callable[[int, int, list[float]], None] | None = None) -> dict:
+def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train on the shards in `features` and write the head to `out` -> the last held-out measurement."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     layer_ids = default_layer_ids(target.config.num_layers)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import LoadedModel
-from specdecode.training.features import Shard, load_shard, shard_files
+from specdecode.training.features import Shard, load_shard, shard_files, shard_kind
 from specdecode.training.ttt import UnrollLayer, UnrollResult, unroll
 
 CHECKPOINT = "checkpoint.pt"
@@ -61,7 +61,7 @@ def unrolled(layer: UnrollLayer, steps: int) -> Callable[[Shard, torch.Tensor], 
 
 def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable[[list[Path]], torch.Tensor],
                   target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                  on_eval: Callable[[int, int, list[float]], None] | None = None) -> dict:
+                  on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train what `build(draft_ids)` makes, draft_ids [Vd] from `vocabulary(training shards)` (or the checkpoint
     being resumed), on the shards in `features`; write it to `out` -> the last held-out measurement."""
     train_files, held_out = shard_files(features, "train"), shard_files(features, "held_out")
@@ -97,7 +97,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
         else state["measured"]
     tokens_seen = sum(lengths[p] for p in order[:step])  # for the learning curve
     bar = tqdm(total=total, initial=step, unit="seq", desc=f"training {trainee.kind}", disable=quiet)
-    bar.set_postfix_str(_describe(measured))
+    bar.set_postfix_str(describe(measured))
     if on_eval is not None and step == 0:
         on_eval(step, 0, measured)
     for path in order[step:]:
@@ -117,7 +117,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
             _save_checkpoint(checkpoint, trainee.module, optimizer, schedule, step, draft_ids, made_with, measured)
             if on_eval is not None:
                 on_eval(step, tokens_seen, measured)
-        bar.set_postfix_str(f"loss {result.loss.item():.3f} | {_describe(measured)}")
+        bar.set_postfix_str(f"loss {result.loss.item():.3f} | {describe(measured)}")
     bar.close()
     trainee.save(out)
     return {"held_out_accuracy": measured, "steps": step, "draft_vocab": draft_ids.numel()}
@@ -125,19 +125,20 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
 
 @torch.no_grad()
 def evaluate(objective: Callable[[Shard, torch.Tensor], UnrollResult], files: list[Path],
-             target_to_draft: torch.Tensor, settings: TrainSettings, autocast) -> list[float]:
-    """Per draft position, how often the drafter's draft is the target's own next token on held-out text (draft
-    position k's acceptance given the drafts before it were right; a next token outside the draft vocabulary
-    counts as a miss)."""
-    correct: list[int] = []
-    counted: list[int] = []
+             target_to_draft: torch.Tensor, settings: TrainSettings, autocast) -> dict[str, list[float]]:
+    """Per held-out kind ("answer": the target's own answers, "code": teacher-forced code) and draft position,
+    how often the drafter's draft is the target's own next token (draft position k's acceptance given the drafts
+    before it were right; a next token outside the draft vocabulary counts as a miss)."""
+    correct: dict[str, list[int]] = {}
+    counted: dict[str, list[int]] = {}
     for path in files:
         shard = _to(load_shard(path), settings.device)
         with autocast:
             result = objective(shard, target_to_draft)
-        correct = [a + b for a, b in zip(correct or [0] * len(result.correct), result.correct)]
-        counted = [a + b for a, b in zip(counted or [0] * len(result.counted), result.counted)]
-    return [c / max(n, 1) for c, n in zip(correct, counted)]
+        kind = shard_kind(path)
+        correct[kind] = [a + b for a, b in zip(correct.get(kind, [0] * len(result.correct)), result.correct)]
+        counted[kind] = [a + b for a, b in zip(counted.get(kind, [0] * len(result.counted)), result.counted)]
+    return {kind: [c / max(n, 1) for c, n in zip(correct[kind], counted[kind])] for kind in sorted(correct)}
 
 
 def expected_accepted(accuracy: list[float]) -> float:
@@ -149,9 +150,12 @@ def expected_accepted(accuracy: list[float]) -> float:
     return total
 
 
-def _describe(accuracy: list[float]) -> str:
-    rates = "/".join(f"{a:.2f}" for a in accuracy)
-    return f"held-out acceptance {rates} (~{expected_accepted(accuracy):.2f} tokens/step)"
+def describe(measured: dict[str, list[float]]) -> str:
+    """Held-out acceptance by kind and draft position, and the tokens per target step it would give."""
+    return "held-out acceptance " + ", ".join(
+        f"{'answers' if kind == 'answer' else kind} {'/'.join(f'{a:.2f}' for a in rates)} "
+        f"(~{expected_accepted(rates):.2f} tokens/step)"
+        for kind, rates in measured.items())
 
 
 def _lr_factor(step: int, total: int, warmup: float) -> float:
@@ -193,7 +197,7 @@ def _resumed(checkpoint: Path, device: str) -> dict | None:
 
 
 def _save_checkpoint(path: Path, module: nn.Module, optimizer, schedule, step: int, draft_ids: torch.Tensor,
-                     made_with: dict, measured: list[float]) -> None:
+                     made_with: dict, measured: dict[str, list[float]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"head": module.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
              "step": step, "draft_ids": draft_ids, "made_with": made_with, "measured": measured}

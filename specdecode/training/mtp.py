@@ -108,7 +108,7 @@ def new_modules(target: LoadedModel, count: int, settings: TrainSettings) -> nn.
 
 
 def train_mtp(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-              on_eval: Callable[[int, int, list[float]], None] | None = None) -> dict:
+              on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train `settings.modules` MTP modules on the shards in `features`; write the model with them to `out`."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     column = feature_columns(stored, (target.config.num_layers,), target.config.hidden_size)

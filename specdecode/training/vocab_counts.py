@@ -17,25 +17,23 @@ from specdecode.models.loader import LoadedModel
 def count_answers(target: LoadedModel, answers: int, answer_tokens: int,
                   quiet: bool = False) -> tuple[torch.Tensor, int]:
     """How often the target emits each token [V] long over its greedy answers to `answers` prompts spread through
-    the standard library's modules (held-out modules left out, as training does), and how many it answered (a
-    prompt with no room for its answer in the target's context is skipped)."""
-    from specdecode.config import SamplingParams, SpecConfig
-    from specdecode.engine.engine import Engine
+    the standard library's modules (held-out modules left out, as training does), written ANSWER_BATCH at a time,
+    and how many it answered (a prompt with no room for its answer in the target's context is skipped)."""
+    from specdecode.training.answers import ANSWER_BATCH, Answerer
     from specdecode.training.data import prompts
 
     every = [text for text in prompts() if not text.held_out]
     chosen = every[:: max(1, len(every) // answers)][:answers]
-    engine = Engine(target, spec=SpecConfig("ngram"))  # lossless, and faster than plain decoding on code
+    answerer = Answerer(target, answer_tokens)
+    fitting = [ids for ids in (answerer.prompt_ids(text.text) for text in chosen) if ids is not None]
     counts = torch.zeros(target.config.vocab_size, dtype=torch.long)  # [V]
-    answered = 0
-    for text in tqdm(chosen, desc="the target's answers", unit="answer", disable=quiet):
-        prompt = target.tokenizer.encode_chat([{"role": "user", "content": text.text}])
-        if len(prompt) + answer_tokens > engine.context_limit:
-            continue
-        answer = engine.complete(prompt, SamplingParams(max_tokens=answer_tokens)).token_ids
-        counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=counts.numel())[: counts.numel()]
-        answered += 1
-    return counts, answered
+    bar = tqdm(total=len(fitting), desc="the target's answers", unit="answer", disable=quiet)
+    for start in range(0, len(fitting), ANSWER_BATCH):
+        for answer in answerer.answer(fitting[start : start + ANSWER_BATCH]):
+            counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=counts.numel())[: counts.numel()]
+            bar.update(1)
+    bar.close()
+    return counts, len(fitting)
 
 
 def write_counts(folder: Path, counts: torch.Tensor, target: LoadedModel, answers: int) -> Path:
