@@ -129,7 +129,7 @@ def token_budget(args: argparse.Namespace) -> dict[tuple[str, str], int]:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdecode.models.loader import check_device, load_model
-    from specdecode.training.answers import ANSWER_BATCH
+    from specdecode.training.answers import ANSWER_GROUP
     from specdecode.training.dflash import train_dflash
     from specdecode.training.dspark import train_dspark
     from specdecode.training.eagle3 import default_layer_ids, train_eagle3
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
                 "chat_prompts": args.chat_prompts if args.code_share < 1 else 0}
     check_manifest(features, manifest)
-    chat = self_prompts(target, features, args.chat_prompts, ANSWER_BATCH, args.quiet) \
+    chat = self_prompts(target, features, args.chat_prompts, ANSWER_GROUP, args.quiet) \
         if args.chat_prompts and args.code_share < 1 else []
     done = extract(target, layer_ids, training_texts(chat), features, token_budget(args), args.answer_tokens,
                    args.max_len, args.quiet)

@@ -2,17 +2,19 @@
 stepped together through the engine's batched step (Engine.step_many, one target forward for all of them), which
 on 2 cores doubles one request's rate (54 -> 110 tokens/s at 8 requests, w4a8 1.5B target, with ngram drafting).
 
-A batch's answers are what the target writes alone up to near-ties of a batched forward (engine.py, step_many):
-the drafter learns the target's style either way, and the features are taken afterwards from one forward over
-prompt and answer, so they are exactly the target's."""
+Answers written together are what the target writes alone up to near-ties of a batched forward (engine.py,
+step_many): the drafter learns the target's style either way, and the features are taken afterwards from one
+forward over prompt and answer, so they are exactly the target's."""
 
 from __future__ import annotations
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine.engine import Engine
+from specdecode.engine.request import Request
 from specdecode.models.loader import LoadedModel
 
-ANSWER_BATCH = 8  # prompts answered together: twice one request's rate on 2 cores
+ANSWER_BATCH = 8  # requests stepped together: twice one request's rate on 2 cores
+ANSWER_GROUP = 4 * ANSWER_BATCH  # prompts handed over at once, so that finished requests' places refill
 
 
 class Answerer:
@@ -29,22 +31,30 @@ class Answerer:
         return ids if len(ids) + self.answer_tokens <= self.engine.context_limit else None
 
     def answer(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Each prompt's greedy answer (at most answer_tokens ids, its end-of-turn token included), all stepped
-        together."""
+        """Each prompt's greedy answer (at most answer_tokens ids, its end-of-turn token included)."""
         sampling = SamplingParams(max_tokens=self.answer_tokens)
         return [ids for ids, _ in self.complete(prompts, [sampling] * len(prompts))]
 
     def complete(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[tuple[list[int], bool]]:
-        """Each prompt's continuation under its own sampling, all stepped together -> (ids, whether it ended by
-        itself at an end-of-turn token rather than at its token cap)."""
-        requests = [self.engine.begin(ids, sampling, reuse_prefix=False) for ids, sampling in zip(prompts, samplings)]
-        for request in requests:
-            while self.engine.prefill(request) is None:
-                pass
-        running = [request for request in requests if request.finish_reason is None]
-        while running:
-            self.engine.step_many(running)
-            running = [request for request in running if request.finish_reason is None]
-        for request in requests:
-            self.engine.finish(request)
-        return [(request.tokens[request.prompt_len :], request.finish_reason == "stop") for request in requests]
+        """Each prompt's continuation under its own sampling -> (ids, whether it ended by itself at an end-of-turn
+        token rather than at its token cap). ANSWER_BATCH requests step together, and a finished one's place is
+        taken by the next prompt at once, so a long answer does not leave the others' places idle."""
+        results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+        waiting = list(zip(range(len(prompts)), prompts, samplings))[::-1]  # popped from the end: in order
+        running: list[tuple[int, Request]] = []
+        while waiting or running:
+            while waiting and len(running) < ANSWER_BATCH:
+                index, ids, sampling = waiting.pop()
+                request = self.engine.begin(ids, sampling, reuse_prefix=False)
+                while self.engine.prefill(request) is None:
+                    pass
+                running.append((index, request))
+            stepping = [request for _, request in running if request.finish_reason is None]
+            if stepping:
+                self.engine.step_many(stepping)
+            for index, request in running:
+                if request.finish_reason is not None:
+                    self.engine.finish(request)
+                    results[index] = (request.tokens[request.prompt_len :], request.finish_reason == "stop")
+            running = [(index, request) for index, request in running if request.finish_reason is None]
+        return results

@@ -17,9 +17,10 @@ from specdecode.models.loader import LoadedModel
 def count_answers(target: LoadedModel, answers: int, answer_tokens: int,
                   quiet: bool = False) -> tuple[torch.Tensor, int]:
     """How often the target emits each token [V] long over its greedy answers to `answers` prompts spread through
-    the standard library's modules (held-out modules left out, as training does), written ANSWER_BATCH at a time,
-    and how many it answered (a prompt with no room for its answer in the target's context is skipped)."""
-    from specdecode.training.answers import ANSWER_BATCH, Answerer
+    the standard library's modules (held-out modules left out, as training does), answered together
+    (training/answers.py), and how many it answered (a prompt with no room for its answer in the target's context
+    is skipped)."""
+    from specdecode.training.answers import ANSWER_GROUP, Answerer
     from specdecode.training.data import prompts
 
     every = [text for text in prompts() if not text.held_out]
@@ -28,8 +29,8 @@ def count_answers(target: LoadedModel, answers: int, answer_tokens: int,
     fitting = [ids for ids in (answerer.prompt_ids(text.text) for text in chosen) if ids is not None]
     counts = torch.zeros(target.config.vocab_size, dtype=torch.long)  # [V]
     bar = tqdm(total=len(fitting), desc="the target's answers", unit="answer", disable=quiet)
-    for start in range(0, len(fitting), ANSWER_BATCH):
-        for answer in answerer.answer(fitting[start : start + ANSWER_BATCH]):
+    for start in range(0, len(fitting), ANSWER_GROUP):
+        for answer in answerer.answer(fitting[start : start + ANSWER_GROUP]):
             counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=counts.numel())[: counts.numel()]
             bar.update(1)
     bar.close()
