@@ -23,7 +23,7 @@ from specdecode import load_model
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
 from specdecode.training.eagle3 import feature_columns
-from specdecode.training.features import _write_shard, shard_files
+from specdecode.training.features import shard_files, write_shard
 from specdecode.training.loop import TrainSettings, bf16_fast, evaluate, unrolled
 from specdecode.training.mtp import MTPUnroll, new_modules
 
@@ -45,7 +45,7 @@ def main(results_path: str, datasets: list[str]) -> None:
         for index, question in enumerate(plain):
             prompt = target.tokenizer.encode_chat([{"role": "user", "content": turns[str(question["question_id"])]}])
             kind = "code" if question["category"] == "humaneval" else "answer"
-            _write_shard(target.model, folder / "held_out" / f"{index:06d}-{kind}.safetensors",
+            write_shard(target.model, folder / "held_out" / f"{index:06d}-{kind}.safetensors",
                          prompt + question["token_ids"][0], len(prompt) - 1, layer_ids)
     state = torch.load(trained_folder("mtp", None) / "checkpoint.pt", weights_only=True)  # our own checkpoint
     settings = TrainSettings()

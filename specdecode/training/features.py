@@ -69,15 +69,13 @@ def check_manifest(folder: Path, manifest: dict) -> None:
     partial.replace(path)
 
 
-KINDS = ("answer", "code")  # a shard's name says which: the target's own answer, or teacher-forced code text
-
-
 def shard_kind(path: Path) -> str:
-    """"answer" or "code", from a shard's name (ORDINAL-KIND.safetensors)."""
+    """"answer" (the target's own answer) or "code" (teacher-forced code text), from a shard's name
+    (ORDINAL-KIND.safetensors)."""
     return path.stem.rsplit("-", 1)[-1]
 
 
-def _write_shard(model, path: Path, ids: list[int], loss_from: int, layer_ids: tuple[int, ...]) -> None:
+def write_shard(model, path: Path, ids: list[int], loss_from: int, layer_ids: tuple[int, ...]) -> None:
     """One sequence's features, written whole: loss on positions from `loss_from` on."""
     tokens = torch.tensor([ids], device=model.device)  # [1, T]
     out = model(tokens, torch.arange(len(ids), device=model.device).unsqueeze(0), model.new_cache(len(ids)),
@@ -120,7 +118,7 @@ def extract(target: LoadedModel, layer_ids: tuple[int, ...], texts: Iterable[Tra
     def write(path: Path, key: tuple[str, str], ids: list[int], loss_from: int) -> None:
         if len(ids) < 4:
             return
-        _write_shard(target.model, path, ids, loss_from, layer_ids)
+        write_shard(target.model, path, ids, loss_from, layer_ids)
         done[key] += len(ids)
         bar.update(len(ids))
 
