@@ -16,7 +16,7 @@ from specdecode.cli.train import training_texts
 from specdecode.models.loader import load_model
 from specdecode.training.data import code_texts
 from specdecode.training.dflash import block_objective, chained_hits, choose_anchors, new_dflash, train_dflash
-from specdecode.training.eagle3 import default_layer_ids, feature_columns
+from specdecode.training.eagle3 import default_layer_ids, feature_columns, feature_layer_ids
 from specdecode.training.features import Shard, check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
 
@@ -58,7 +58,7 @@ def test_each_anchored_block_is_what_drafting_computes(target):
 
 
 def test_a_tiny_drafter_learns_and_drafts_losslessly(target, tmp_path):
-    layers = tuple(sorted({*default_layer_ids(target.config.num_layers), target.config.num_layers}))
+    layers = feature_layer_ids(target.config.num_layers)
     features = tmp_path / "features"
     check_manifest(features, {"layer_ids": list(layers), "max_len": 160})
     extract(target, layers, training_texts(), features, {("train", "code"): 3000, ("held_out", "code"): 600},

@@ -18,7 +18,7 @@ from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
 from specdecode.models.formats.mtp_companion import load_companion
 from specdecode.models.loader import load_model
-from specdecode.training.eagle3 import default_layer_ids
+from specdecode.training.eagle3 import feature_layer_ids
 from specdecode.training.features import check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
 from specdecode.training.mtp import MTPUnroll, mtp_vocabulary, train_mtp
@@ -65,8 +65,7 @@ def features(tmp_path_factory):
     """A tiny Qwen2 target and features of it (EAGLE-3's boundaries and the last, as `specdecode train` keeps)."""
     root = tmp_path_factory.mktemp("train-mtp")
     target = load_model(save_tiny_model(root / "t", "qwen2", scale=0.15), dtype="float32")
-    layers = target.config.num_layers
-    layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))
+    layer_ids = feature_layer_ids(target.config.num_layers)
     folder = root / "features"
     check_manifest(folder, {"layer_ids": list(layer_ids), "max_len": 160})
     extract(target, layer_ids, training_texts(), folder, {("train", "code"): 3000, ("held_out", "code"): 600},

@@ -194,12 +194,11 @@ def training(loaded, tokens: int, clock: Clock) -> dict:
     """What `specdecode train eagle3 --device D` runs, phase by phase on the loaded target: the target's
     features of `tokens` training tokens (the standard library's code text), then the head's training on them."""
     from specdecode.cli.train import training_texts
-    from specdecode.training.eagle3 import default_layer_ids, train_eagle3
+    from specdecode.training.eagle3 import feature_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings
 
-    layers = loaded.config.num_layers
-    layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))
+    layer_ids = feature_layer_ids(loaded.config.num_layers)
     with tempfile.TemporaryDirectory() as work:
         manifest = {"target": loaded.name, "quant": loaded.quant, "dtype": str(loaded.model.dtype),
                     "layer_ids": list(layer_ids), "answers": 0, "answer_tokens": 192, "max_len": 768}

@@ -22,9 +22,9 @@ import torch
 from specdecode import load_model
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
-from specdecode.training.eagle3 import feature_columns
+from specdecode.training.eagle3 import feature_columns, max_positions
 from specdecode.training.features import shard_files, write_shard
-from specdecode.training.loop import TrainSettings, bf16_fast, evaluate, unrolled
+from specdecode.training.loop import TrainSettings, bf16_fast, draft_positions, evaluate, unrolled
 from specdecode.training.mtp import MTPUnroll, new_modules
 
 
@@ -52,11 +52,10 @@ def main(results_path: str, datasets: list[str]) -> None:
     modules = new_modules(target, len({key.split(".")[0] for key in state["head"]}), settings)
     modules.load_state_dict(state["head"])
     draft_ids = state["draft_ids"]  # [Vd]
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # [V]
-    target_to_draft[draft_ids] = torch.arange(draft_ids.numel())
+    target_to_draft = draft_positions(draft_ids, target.config.vocab_size, "cpu")  # [V]
     column = feature_columns(layer_ids, (target.config.num_layers,), target.config.hidden_size)
     objective = unrolled(MTPUnroll(target, modules, column, target.model.output_rows(draft_ids),
-                                   manifest["max_len"] + 8), settings.steps)
+                                   max_positions(features)), settings.steps)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_fast("cpu"))
     on_bench = evaluate(objective, shard_files(folder, "held_out"), target_to_draft, settings, autocast)
     on_training = evaluate(objective, shard_files(features, "held_out"), target_to_draft, settings, autocast)

@@ -27,19 +27,18 @@ from specdecode import load_model
 from specdecode.cli.train import training_texts
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
-from specdecode.training.eagle3 import default_layer_ids, train_eagle3
+from specdecode.training.eagle3 import feature_layer_ids, train_eagle3
 from specdecode.training.features import check_manifest, extract, shard_files, shard_kind
 from specdecode.training.loop import TrainSettings, describe
 from specdecode.training.mtp import train_mtp
 
 TRAINERS = {"mtp": train_mtp, "eagle3": train_eagle3}
 HELD_OUT_TOKENS = 4_000
-ANSWER_TOKENS, MAX_LEN = 192, 768  # specdecode train's defaults
+ANSWER_TOKENS, MAX_LEN = 192, 768  # as the runs in docs/benchmarks measured (train's default is now 384 tokens)
 
 
 def extract_all(target, features: Path, tokens: int) -> None:
-    layers = target.config.num_layers
-    layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))
+    layer_ids = feature_layer_ids(target.config.num_layers)
     check_manifest(features, {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
                               "layer_ids": list(layer_ids), "answer_tokens": ANSWER_TOKENS, "max_len": MAX_LEN})
     budget = {("train", "answer"): tokens, ("train", "code"): tokens, ("held_out", "answer"): HELD_OUT_TOKENS,

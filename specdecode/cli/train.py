@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.training.answers import ANSWER_GROUP
     from specdecode.training.dflash import train_dflash
     from specdecode.training.dspark import train_dspark
-    from specdecode.training.eagle3 import default_layer_ids, train_eagle3
+    from specdecode.training.eagle3 import feature_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings, describe
     from specdecode.training.mtp import train_mtp
@@ -149,14 +149,13 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             raise SpecDecodeError(f"cannot write to {folder} ({error})") from None
     target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
-    layers = target.config.num_layers
-    layer_ids = tuple(sorted({*default_layer_ids(layers), layers}))  # EAGLE-3's three and the last (MTP's)
+    layer_ids = feature_layer_ids(target.config.num_layers)
+    chat_prompts = args.chat_prompts if args.code_share < 1 else 0  # no answers, no prompts to answer
     manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
                 "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
-                "chat_prompts": args.chat_prompts if args.code_share < 1 else 0}
+                "chat_prompts": chat_prompts}
     check_manifest(features, manifest)
-    chat = self_prompts(target, features, args.chat_prompts, ANSWER_GROUP, args.quiet) \
-        if args.chat_prompts and args.code_share < 1 else []
+    chat = self_prompts(target, features, chat_prompts, ANSWER_GROUP, args.quiet) if chat_prompts else []
     done = extract(target, layer_ids, training_texts(chat), features, token_budget(args), args.answer_tokens,
                    args.max_len, args.quiet)
     trained_on = sum(tokens for (split, _), tokens in done.items() if split == "train")

@@ -25,6 +25,11 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     return tuple(ids) if len(ids) == 3 else tuple(range(max(num_layers - 2, 0), num_layers + 1))
 
 
+def feature_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The boundaries a features folder keeps: EAGLE-3's three and the last (MTP's), ascending."""
+    return tuple(sorted({*default_layer_ids(num_layers), num_layers}))
+
+
 def feature_columns(stored: tuple[int, ...], wanted: tuple[int, ...], width: int) -> torch.Tensor:
     """Column indices [len(wanted) * width] of the boundaries `wanted` in features holding `stored` (ascending)."""
     return torch.cat([torch.arange(width) + stored.index(i) * width for i in wanted])

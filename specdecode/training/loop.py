@@ -88,8 +88,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step = state["step"]
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=settings.device)  # [V]
-    target_to_draft[draft_ids.to(settings.device)] = torch.arange(draft_ids.numel(), device=settings.device)
+    target_to_draft = draft_positions(draft_ids, target.config.vocab_size, settings.device)  # [V]
     autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
                               enabled=bf16_fast(settings.device))
     order = [path for epoch in range(settings.epochs) for path in _shuffled(train_files, settings.seed + epoch)]
@@ -139,6 +138,13 @@ def evaluate(objective: Callable[[Shard, torch.Tensor], UnrollResult], files: li
         correct[kind] = [a + b for a, b in zip(correct.get(kind, [0] * len(result.correct)), result.correct)]
         counted[kind] = [a + b for a, b in zip(counted.get(kind, [0] * len(result.counted)), result.counted)]
     return {kind: [c / max(n, 1) for c, n in zip(correct[kind], counted[kind])] for kind in sorted(correct)}
+
+
+def draft_positions(draft_ids: torch.Tensor, vocab_size: int, device: str | torch.device) -> torch.Tensor:
+    """draft_ids [Vd] -> [V] long: each target id's row in the draft vocabulary, -1 for ids outside it."""
+    positions = torch.full((vocab_size,), -1, dtype=torch.long, device=device)  # [V]
+    positions[draft_ids.to(device)] = torch.arange(draft_ids.numel(), device=device)
+    return positions
 
 
 def expected_accepted(accuracy: list[float]) -> float:
