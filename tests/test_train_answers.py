@@ -1,9 +1,11 @@
-"""Training data that looks like use: the target's own answers, many at once, and chat prompts it writes itself
-(Magpie) from its chat template's user prefix."""
+"""Training data that looks like use: the target's own answers, many at once, and chat-like prompts filled with
+topics the target lists itself."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 
 import pytest
 from conftest import save_tiny_model
@@ -12,10 +14,17 @@ from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import token_budget
 from specdecode.models.loader import load_model
-from specdecode.training import self_prompts as self_prompts_module
+from specdecode.training import chat_tasks
 from specdecode.training.answers import Answerer
+from specdecode.training.chat_tasks import (
+    TEMPLATES,
+    TOPIC_REQUESTS,
+    TOPICS_FILE,
+    chat_prompts,
+    chat_topics,
+    list_topics,
+)
 from specdecode.training.data import prompts
-from specdecode.training.self_prompts import PROMPTS_FILE, self_prompts, user_prefix, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -35,44 +44,76 @@ def test_answers_in_a_batch_are_the_targets_own_greedy_answers(target):
     assert answerer.prompt_ids("x" * 600) is None  # no room for an answer in the tiny model's 512 positions
 
 
-def test_the_target_writes_its_own_chat_prompts_once(target, tmp_path, monkeypatch):
-    # A random tiny model ends its turn by chance (one token in 272): a flat law and room let a few prompts end.
-    monkeypatch.setattr(self_prompts_module, "TEMPERATURE", 1.0)
-    monkeypatch.setattr(self_prompts_module, "PROMPT_TOKENS", 256)
-    answerer = Answerer(target, answer_tokens=8)
-    prefix = user_prefix(answerer)
-    hello = target.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
-    assert 0 < len(prefix) < len(hello) and hello[: len(prefix)] == prefix
-    assert target.tokenizer.decode(hello[len(prefix) :]).startswith("hello")
-    written = self_prompts(target, tmp_path, count=4, batch=4, quiet=True)
-    assert 0 < len(written) <= 4 and all(text.is_prompt and len(text.text.split()) >= 4 for text in written)
-    assert len({text.text.split()[0] + text.text.split()[1] for text in written}) == len(written)  # distinct
-    assert (tmp_path / PROMPTS_FILE).exists()
-    assert self_prompts(target, tmp_path, count=4, batch=4, quiet=True) == written  # read back, not written again
+def test_topic_lists_are_cleaned_and_kept_once(target, tmp_path, monkeypatch):
+    lists = ["1. Paris\n2. **Rome**\n- New York\n3. paris\n4. A place with far too many words in its name here",
+             'Tea, "coffee", tea, green tea, mat', "Lisbon\nOslo"]
 
-
-def test_written_prompts_that_answer_themselves_or_repeat_are_dropped(target):
-    texts = ["Q: what is a list?\n\nA: a sequence of values", "How do I sort a dict by value in Python?",
-             "How do I sort a dict by value, fast?", "too short", "Explain how the GIL limits threads."]
-
-    class Scripted(Answerer):  # the target's sampling replaced by the texts above, each ended by itself
+    class Scripted(Answerer):  # the target's sampled lists replaced by the texts above by seed, the second cut short
         def complete(self, prompts, samplings):
-            return [(target.tokenizer.encode(text), True) for text in texts[: len(prompts)]]
+            assert len({sampling.seed for sampling in samplings}) > 1  # several lists per kind, each its own seed
+            return [(target.tokenizer.encode(lists[sampling.seed % 3]), sampling.seed % 3 != 1)
+                    for sampling in samplings]
 
-    written = write_prompts(Scripted(target, 8), count=5, batch=5)
-    assert written == ["How do I sort a dict by value in Python?", "Explain how the GIL limits threads."]
+    topics = list_topics(Scripted(target, 8))
+    assert set(topics) == set(TOPIC_REQUESTS)
+    assert all(kept == ["Paris", "Rome", "New York", "Tea", "coffee", "green tea", "Lisbon", "Oslo"]
+               for kept in topics.values())  # bullets, numbers, quotes, repeats, long and unfinished items dropped
+    monkeypatch.setattr(chat_tasks, "LIST_TOKENS", 24)
+    listed = chat_topics(target, tmp_path)  # the tiny target's own lists, whatever they are, written once
+    assert json.loads((tmp_path / TOPICS_FILE).read_text()) == listed
+    monkeypatch.setattr(chat_tasks, "list_topics", lambda answerer: pytest.fail("listed again"))
+    assert chat_topics(target, tmp_path) == listed  # read back
 
 
-def test_the_token_budget_splits_training_tokens_between_answers_and_code():
-    args = argparse.Namespace(tokens=1000, code_share=0.1, held_out_tokens=50)
+def test_chat_prompts_mix_every_kind_of_request_the_same_way_each_run():
+    topics = {name: [f"{name} {i}" for i in range(6)] for name in TOPIC_REQUESTS}
+    first = list(itertools.islice(chat_prompts(topics), 300))
+    assert [text.text for text in first] == [text.text for text in itertools.islice(chat_prompts(topics), 300)]
+    assert all(text.kind == "chat" and text.is_prompt and "{" not in text.text for text in first)
+    assert len({text.text for text in first}) > 250  # templates, topics and numbers vary
+    kinds = len(TEMPLATES) + 3  # the template kinds, math, reasoning and extraction, taken in turn
+    for kind, templates in TEMPLATES.items():
+        openings = {template.split("{")[0] for template in templates}
+        assert any(text.text.startswith(tuple(openings)) for text in first[:kinds]), kind
+    assert 0 < sum(text.held_out for text in first) < 60  # about 5% held out, by a hash of the ordinal
+    # Kinds whose topic lists came back empty are left out; math and reasoning need none.
+    bare = list(itertools.islice(chat_prompts({name: [] for name in TOPIC_REQUESTS}), 10))
+    assert len(bare) == 10 and all("{" not in text.text for text in bare)
+
+
+def test_the_token_budget_splits_training_tokens_between_answers_chat_and_code():
+    args = argparse.Namespace(tokens=1000, code_share=0.1, chat_share=0.0, held_out_tokens=50)
     assert token_budget(args) == {("train", "answer"): 900, ("train", "code"): 100, ("held_out", "answer"): 50,
                                   ("held_out", "code"): 50}
     args.code_share = 0.0
     assert ("train", "code") not in token_budget(args)  # answers only; code still held out, to measure it
+    args.code_share, args.chat_share = 0.1, 0.4
+    assert token_budget(args) == {("train", "answer"): 500, ("train", "chat"): 400, ("train", "code"): 100,
+                                  ("held_out", "answer"): 50, ("held_out", "code"): 50, ("held_out", "chat"): 50}
 
 
-def test_train_refuses_a_negative_chat_prompt_count(tmp_path, capsys):
-    assert main(["train", "mtp", "--target", str(tmp_path), "--chat-prompts", "-1"]) == 2
-    assert "--chat-prompts must be >= 0" in capsys.readouterr().err
+def test_train_refuses_shares_out_of_range(tmp_path, capsys):
+    assert main(["train", "mtp", "--target", str(tmp_path), "--chat-share", "-0.1"]) == 2
+    assert "--chat-share must be in [0, 1]" in capsys.readouterr().err
     assert main(["train", "mtp", "--target", str(tmp_path), "--code-share", "1.5"]) == 2
     assert "--code-share must be in [0, 1]" in capsys.readouterr().err
+    assert main(["train", "mtp", "--target", str(tmp_path), "--code-share", "0.5", "--chat-share", "0.6"]) == 2
+    assert "add up to more than 1" in capsys.readouterr().err
+
+
+def test_train_answers_chat_prompts_and_measures_them_apart(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(chat_tasks, "LIST_TOKENS", 24)  # a random tiny model's lists are noise: short noise
+    folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
+    out, features = tmp_path / "out", tmp_path / "features"
+    args = ["train", "mtp", "--target", str(folder), "--out", str(out), "--features", str(features), "--dtype",
+            "float32", "--quant", "none", "--tokens", "600", "--held-out-tokens", "100", "--code-share", "0.3",
+            "--chat-share", "0.4", "--answer-tokens", "8", "--max-len", "320", "--draft-vocab", "32", "--epochs",
+            "1", "--eval-every", "4", "--quiet"]
+    assert main(args) == 0
+    kinds = {path.stem.rsplit("-", 1)[1] for split in ("train", "held_out") for path in (features / split).iterdir()}
+    assert kinds == {"answer", "chat", "code"} and (features / TOPICS_FILE).exists()
+    curve = [json.loads(line) for line in (out / "learning_curve.jsonl").read_text().splitlines()]
+    assert set(curve[-1]["held_out_acceptance"]) == {"answer", "chat", "code"}
+    assert "chat " in capsys.readouterr().err  # the closing line reports held-out chat apart
+    assert main([*args, "--chat-share", "0"]) == 2  # the same folder without chat: other order
+    assert "other settings (chat)" in capsys.readouterr().err

@@ -28,18 +28,16 @@ from specdecode.training.loop import TrainSettings, bf16_fast, draft_positions, 
 from specdecode.training.mtp import MTPUnroll, new_modules
 
 
-def main(results_path: str, datasets: list[str]) -> None:
-    features = trained_folder("features", None)
-    manifest = json.loads((features / "manifest.json").read_text())
-    layer_ids = tuple(manifest["layer_ids"])
-    target = load_model(DEFAULT_TARGET, "auto", "cpu", True, manifest["quant"])
+def write_bench_shards(target, results_path: str, datasets: list[str], layer_ids: tuple[int, ...],
+                       folder: Path) -> None:
+    """folder/held_out: a shard per question of the bench run's plain outputs (its first turn, chat-templated,
+    and the plain answer), named -code for HumanEval and -answer for the rest."""
     turns = {}
     for path in datasets:
         for line in Path(path).read_text().splitlines():
             question = json.loads(line)
             turns[str(question["question_id"])] = question["turns"][0]
-    folder = Path(tempfile.mkdtemp())
-    (folder / "held_out").mkdir()
+    (folder / "held_out").mkdir(parents=True, exist_ok=True)
     plain = json.loads(Path(results_path).read_text())["questions"]["none"][0]
     with torch.inference_mode():
         for index, question in enumerate(plain):
@@ -47,7 +45,12 @@ def main(results_path: str, datasets: list[str]) -> None:
             kind = "code" if question["category"] == "humaneval" else "answer"
             write_shard(target.model, folder / "held_out" / f"{index:06d}-{kind}.safetensors",
                          prompt + question["token_ids"][0], len(prompt) - 1, layer_ids)
-    state = torch.load(trained_folder("mtp", None) / "checkpoint.pt", weights_only=True)  # our own checkpoint
+
+
+def mtp_acceptance(target, checkpoint_folder: Path, features: Path, held_out: list[Path],
+                   layer_ids: tuple[int, ...]) -> dict[str, list[float]]:
+    """The MTP module trained into checkpoint_folder, measured on the held-out shards `held_out` by kind."""
+    state = torch.load(checkpoint_folder / "checkpoint.pt", weights_only=True)  # our own checkpoint
     settings = TrainSettings()
     modules = new_modules(target, len({key.split(".")[0] for key in state["head"]}), settings)
     modules.load_state_dict(state["head"])
@@ -57,8 +60,19 @@ def main(results_path: str, datasets: list[str]) -> None:
     objective = unrolled(MTPUnroll(target, modules, column, target.model.output_rows(draft_ids),
                                    max_positions(features)), settings.steps)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_fast("cpu"))
-    on_bench = evaluate(objective, shard_files(folder, "held_out"), target_to_draft, settings, autocast)
-    on_training = evaluate(objective, shard_files(features, "held_out"), target_to_draft, settings, autocast)
+    return evaluate(objective, held_out, target_to_draft, settings, autocast)
+
+
+def main(results_path: str, datasets: list[str]) -> None:
+    features = trained_folder("features", None)
+    manifest = json.loads((features / "manifest.json").read_text())
+    layer_ids = tuple(manifest["layer_ids"])
+    target = load_model(DEFAULT_TARGET, "auto", "cpu", True, manifest["quant"])
+    folder = Path(tempfile.mkdtemp())
+    write_bench_shards(target, results_path, datasets, layer_ids, folder)
+    trained = trained_folder("mtp", None)
+    on_bench = mtp_acceptance(target, trained, features, shard_files(folder, "held_out"), layer_ids)
+    on_training = mtp_acceptance(target, trained, features, shard_files(features, "held_out"), layer_ids)
     shutil.rmtree(folder)
     for name, measured in (("the bench's plain outputs (code: HumanEval, answer: the rest)", on_bench),
                            ("the training held-out set", on_training)):

@@ -17,12 +17,14 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
 
+CHAT_PROMPT_LIMIT = 100_000  # far more than any budget answers; chat_prompts() never ends
 KINDS = ("eagle3", "mtp", "dflash", "dspark", "vocab")
 BLOCK_KINDS = ("dflash", "dspark")
 
@@ -44,14 +46,17 @@ def add_parser(commands) -> None:
     train.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
                        "with the defaults below, about an hour on 2 CPU cores for a 1.5B target)")
     train.add_argument("--held-out-tokens", type=int, default=6_000,
-                       help="held-out tokens of each kind, answers and code (default 6000)")
+                       help="held-out tokens of each kind: answers, chat (when --chat-share asks for it) and code "
+                       "(default 6000)")
     train.add_argument("--code-share", type=float, default=0.1,
                        help="share of the training tokens that is the standard library's source, teacher-forced; "
                        "the rest is the target's own answers to prompts (default 0.1: a drafter drafts the target's "
                        "answers, and learns them several times faster from answers than from code)")
-    train.add_argument("--chat-prompts", type=int, default=0,
-                       help="chat prompts the target writes itself (Magpie) and then answers, beside the standard "
-                       "library's tasks (default 0: a 1.5B target's own prompts measured noisy and slow to write)")
+    train.add_argument("--chat-share", type=float, default=0.0,
+                       help="share of the training tokens that is the target's answers to chat-like prompts "
+                       "(writing, role-play, reasoning, math, extraction, science, humanities, advice: templates "
+                       "filled with topics the target lists itself); the answers' rest is to standard-library "
+                       "tasks (default 0)")
     train.add_argument("--answers", type=int, default=48, help="vocab: prompts the target answers (default 48)")
     train.add_argument("--answer-tokens", type=int, default=384,
                        help="tokens per answer at most (default 384: most answers end by themselves)")
@@ -83,16 +88,18 @@ def add_parser(commands) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.chat_prompts < 0:
-        raise SpecDecodeError(f"--chat-prompts must be >= 0, got {args.chat_prompts}")
     for name in ("tokens", "held_out_tokens", "answer_tokens", "max_len", "draft_vocab", "unroll", "epochs",
                  "eval_every", "anchors"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.answers < 0 or (args.intermediate_size is not None and args.intermediate_size < 1):
         raise SpecDecodeError("--answers must be >= 0 and --intermediate-size >= 1")
-    if not 0 <= args.code_share <= 1:
-        raise SpecDecodeError(f"--code-share must be in [0, 1], got {args.code_share}")
+    for name in ("code_share", "chat_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.code_share + args.chat_share > 1:
+        raise SpecDecodeError(f"--code-share and --chat-share add up to more than 1 ({args.code_share} + "
+                              f"{args.chat_share})")
     if args.max_len < 16:
         raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
     if not 0 < args.lr < 1:
@@ -108,35 +115,38 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError(f"--block-size must be 2..33, got {args.block_size}")
 
 
-def training_texts(chat_prompts: list | None = None):
-    """The standard library's tasks, the target's own chat prompts and the code pieces taken in turn, in a fixed
-    order (resume relies on it); extraction takes each kind until its token budget is met."""
+def training_texts(chat: Iterable | None = None):
+    """The standard library's tasks, chat-like prompts (training/chat_tasks.py; at most CHAT_PROMPT_LIMIT, as they
+    never run out) and the code pieces taken in turn, in a fixed order (resume relies on it); extraction takes
+    each kind until its token budget is met."""
     from specdecode.training.data import code_texts, prompts
 
-    for texts in itertools.zip_longest(prompts(), chat_prompts or [], code_texts()):
+    chat = itertools.islice(chat or [], CHAT_PROMPT_LIMIT)
+    for texts in itertools.zip_longest(prompts(), chat, code_texts()):
         yield from (text for text in texts if text is not None)
 
 
 def token_budget(args: argparse.Namespace) -> dict[tuple[str, str], int]:
-    """Tokens of features per (split, kind): --code-share of the training tokens teacher-forced code, the rest
-    the target's answers; --held-out-tokens of each kind held out."""
-    code = round(args.tokens * args.code_share)
-    budget = {("train", "answer"): args.tokens - code, ("train", "code"): code,
-              ("held_out", "answer"): args.held_out_tokens, ("held_out", "code"): args.held_out_tokens}
+    """Tokens of features per (split, kind): --code-share of the training tokens teacher-forced code, --chat-share
+    the target's answers to chat-like prompts, the rest its answers to standard-library tasks; --held-out-tokens
+    of each kind held out (of chat only when chat is asked for)."""
+    code, chat = round(args.tokens * args.code_share), round(args.tokens * args.chat_share)
+    budget = {("train", "answer"): args.tokens - code - chat, ("train", "chat"): chat, ("train", "code"): code,
+              ("held_out", "answer"): args.held_out_tokens, ("held_out", "code"): args.held_out_tokens,
+              ("held_out", "chat"): args.held_out_tokens if chat else 0}
     return {key: tokens for key, tokens in budget.items() if tokens > 0}
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdecode.models.loader import check_device, load_model
-    from specdecode.training.answers import ANSWER_GROUP
+    from specdecode.training.chat_tasks import chat_prompts, chat_topics
     from specdecode.training.dflash import train_dflash
     from specdecode.training.dspark import train_dspark
     from specdecode.training.eagle3 import feature_layer_ids, train_eagle3
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings, describe
     from specdecode.training.mtp import train_mtp
-    from specdecode.training.self_prompts import self_prompts
 
     check_device(args.device)
     out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
@@ -150,13 +160,14 @@ def run(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"cannot write to {folder} ({error})") from None
     target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
     layer_ids = feature_layer_ids(target.config.num_layers)
-    chat_prompts = args.chat_prompts if args.code_share < 1 else 0  # no answers, no prompts to answer
+    budget = token_budget(args)
+    chatting = ("train", "chat") in budget
     manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
                 "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
-                "chat_prompts": chat_prompts}
+                "chat": chatting}  # chat prompts shift the texts' ordinals: a folder is made with them or without
     check_manifest(features, manifest)
-    chat = self_prompts(target, features, chat_prompts, ANSWER_GROUP, args.quiet) if chat_prompts else []
-    done = extract(target, layer_ids, training_texts(chat), features, token_budget(args), args.answer_tokens,
+    chat = chat_prompts(chat_topics(target, features)) if chatting else None
+    done = extract(target, layer_ids, training_texts(chat), features, budget, args.answer_tokens,
                    args.max_len, args.quiet)
     trained_on = sum(tokens for (split, _), tokens in done.items() if split == "train")
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2

@@ -28,7 +28,11 @@ TASKS = (
 class TrainingText:
     module: str
     text: str  # a prompt (the target answers it) or code (teacher-forced)
-    is_prompt: bool
+    kind: str  # "answer" (a standard-library task), "chat" (training/chat_tasks.py) or "code"
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.kind != "code"
 
     @property
     def held_out(self) -> bool:
@@ -71,7 +75,7 @@ def prompts(root: Path | None = None) -> Iterator[TrainingText]:
             task = TASKS[count % len(TASKS)]
             count += 1
             yield TrainingText(module, task.format(name=node.name, signature=signature, doc=first_paragraph,
-                                                   module=module), True)
+                                                   module=module), "answer")
 
 
 def code_texts(root: Path | None = None, chars: int = 2400) -> Iterator[TrainingText]:
@@ -89,7 +93,7 @@ def code_texts(root: Path | None = None, chars: int = 2400) -> Iterator[Training
             piece.append(line)
             size += len(line)
             if size >= chars:
-                yield TrainingText(module, "".join(piece), False)
+                yield TrainingText(module, "".join(piece), "code")
                 piece, size = [], 0
         if size > chars // 4:
-            yield TrainingText(module, "".join(piece), False)
+            yield TrainingText(module, "".join(piece), "code")

@@ -2,8 +2,9 @@
 kinds (on 2 CPU cores a 1.5B w4a8 target yields about 230 tokens/s of features of code and 60 tokens/s of its own
 answers of up to 384 tokens, written 8 at a time, then read: the slow two thirds of the default hour).
 
-Each shard is one safetensors file of one sequence, named ORDINAL-KIND ("answer": a prompt and the target's own
-answer; "code": teacher-forced source, so held-out acceptance is measured on each kind apart): the tokens, the
+Each shard is one safetensors file of one sequence, named ORDINAL-KIND ("answer": a standard-library task and the
+target's own answer; "chat": a chat-like prompt (training/chat_tasks.py) and its answer; "code": teacher-forced
+source; held-out acceptance is measured on each kind apart): the tokens, the
 hidden states at the boundary ids asked for (bf16), the target's top-k next-token log-probabilities at every
 position (the soft labels: enough of the mass for distillation at a fraction of a full vocabulary row), and which
 positions count in the loss (an answer's tokens, not the prompt's). Shards are written whole (a temporary name,
@@ -50,7 +51,9 @@ def load_shard(path: Path) -> Shard:
 
 
 def check_manifest(folder: Path, manifest: dict) -> None:
-    """Write the manifest of a new feature folder, or fail if an existing one was made differently."""
+    """Write the manifest of a new feature folder, or fail if an existing one was made differently in what
+    `manifest` names. Folders of other versions stay usable: a setting no longer written no longer matters, and one
+    an older version did not write was off (matches a new value of False or 0)."""
     path = folder / MANIFEST
     if path.exists():
         try:
@@ -58,8 +61,9 @@ def check_manifest(folder: Path, manifest: dict) -> None:
         except (OSError, ValueError) as error:
             raise SpecDecodeError(f"cannot read {path} ({error}); delete the features folder to start it again"
                                   ) from None
-        if existing != manifest:
-            changed = sorted(k for k in manifest if existing.get(k) != manifest[k])
+        changed = sorted(k for k in manifest if existing.get(k, manifest[k] if not manifest[k] else None)
+                         != manifest[k])
+        if changed:
             raise SpecDecodeError(f"{folder} holds features made with other settings ({', '.join(changed)}); "
                                   "use another --out or the same settings")
         return
@@ -70,7 +74,7 @@ def check_manifest(folder: Path, manifest: dict) -> None:
 
 
 def shard_kind(path: Path) -> str:
-    """"answer" (the target's own answer) or "code" (teacher-forced code text), from a shard's name
+    """The kind of text a shard holds ("answer", "chat" or "code", as TrainingText.kind), from its name
     (ORDINAL-KIND.safetensors)."""
     return path.stem.rsplit("-", 1)[-1]
 
@@ -131,7 +135,7 @@ def extract(target: LoadedModel, layer_ids: tuple[int, ...], texts: Iterable[Tra
     for text in texts:
         if all(done[key] >= token_budget[key] for key in token_budget):
             break
-        key = ("held_out" if text.held_out else "train", "answer" if text.is_prompt else "code")
+        key = ("held_out" if text.held_out else "train", text.kind)
         if key not in token_budget:
             continue
         ordinal[key[0]] += 1

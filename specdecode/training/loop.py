@@ -125,7 +125,8 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
 @torch.no_grad()
 def evaluate(objective: Callable[[Shard, torch.Tensor], UnrollResult], files: list[Path],
              target_to_draft: torch.Tensor, settings: TrainSettings, autocast) -> dict[str, list[float]]:
-    """Per held-out kind ("answer": the target's own answers, "code": teacher-forced code) and draft position,
+    """Per held-out kind (TrainingText.kind: "answer" and "chat", the target's own answers to standard-library
+    tasks and to chat-like prompts; "code", teacher-forced code) and draft position,
     how often the drafter's draft is the target's own next token (draft position k's acceptance given the drafts
     before it were right; a next token outside the draft vocabulary counts as a miss)."""
     correct: dict[str, list[int]] = {}

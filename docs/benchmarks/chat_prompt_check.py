@@ -1,8 +1,8 @@
-"""The chat prompts a target wrote itself for training (training/self_prompts.py): how diverse they are and
-whether any overlaps the benchmark sets we measure on.
+"""The chat-like training prompts (training/chat_tasks.py): how diverse they are and whether any overlaps the
+benchmark sets we measure on.
 
-Run from the repository root, after `specdecode train ...` wrote them:
-    python docs/benchmarks/self_prompt_check.py [--prompts CACHE/features/TARGET/self_prompts.jsonl]
+Run from the repository root, after `specdecode train ... --chat-share F` listed the target's topics:
+    python docs/benchmarks/chat_prompt_check.py [--topics CACHE/features/TARGET/chat_topics.json] [--count 2000]
 
 Diversity: distinct prompts, distinct first words, and the share of distinct word 4-grams among all of them.
 Overlap: every word 8-gram of every prompt looked up among the 8-grams of the HumanEval and MT-bench prompts in
@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from specdecode.models.formats.drafter_folder import trained_folder
+from specdecode.training.chat_tasks import TOPICS_FILE, chat_prompts
 
 BENCHMARKS = (Path("../shared/data/humaneval/humaneval_specbench_format.jsonl"),
               Path("../shared/data/mt_bench/question.jsonl"))
@@ -34,9 +35,12 @@ def grams(text: str, n: int) -> set[tuple[str, ...]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", default=str(trained_folder("features", None) / "self_prompts.jsonl"))
+    parser.add_argument("--topics", default=str(trained_folder("features", None) / TOPICS_FILE))
+    parser.add_argument("--count", type=int, default=2000, help="prompts to build (the first COUNT training uses)")
     args = parser.parse_args()
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    topics = json.loads(Path(args.topics).read_text())
+    print("topics listed:", ", ".join(f"{name} {len(listed)}" for name, listed in topics.items()))
+    prompts = [text.text for text, _ in zip(chat_prompts(topics), range(args.count))]
     benchmark = set()
     for path in BENCHMARKS:
         for line in path.read_text().splitlines():
