@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import save_tiny_model
@@ -79,6 +82,13 @@ def test_chat_prompts_mix_every_kind_of_request_the_same_way_each_run():
     # Kinds whose topic lists came back empty are left out; math and reasoning need none.
     bare = list(itertools.islice(chat_prompts({name: [] for name in TOPIC_REQUESTS}), 10))
     assert len(bare) == 10 and all("{" not in text.text for text in bare)
+    # The same in another process, whose string hashes differ (resume relies on the order).
+    script = ("import itertools, json, sys; from specdecode.training.chat_tasks import chat_prompts; "
+              "print(json.dumps([t.text for t in itertools.islice(chat_prompts(json.loads(sys.argv[1])), 300)]))")
+    for hash_seed in ("1", "2"):
+        other = subprocess.run([sys.executable, "-c", script, json.dumps(topics)], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)
+        assert json.loads(other.stdout) == [text.text for text in first]
 
 
 def test_the_token_budget_splits_training_tokens_between_answers_chat_and_code():

@@ -39,6 +39,7 @@ from specdecode.training.mtp import train_mtp
 TRAINERS = {"mtp": train_mtp, "eagle3": train_eagle3}
 HELD_OUT_TOKENS = 4_000
 TEXT_KINDS = ("answer", "chat", "code")
+ON_BENCH = "on_bench.jsonl"  # MTP runs measured on a bench run's outputs; every other OUT/*.jsonl is a curve
 ANSWER_TOKENS, MAX_LEN = 192, 768  # as the runs in docs/benchmarks measured (train's default is now 384 tokens)
 
 
@@ -92,7 +93,7 @@ def plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            for path in sorted(out.glob("*.jsonl"))}
+            for path in sorted(out.glob("*.jsonl")) if path.name != ON_BENCH}
     kinds = sorted({name.split("-")[0] for name in runs})
     held_out_kinds = [kind for kind in TEXT_KINDS
                       if any(kind in points[0]["held_out_acceptance"] for points in runs.values() if points)]
@@ -172,7 +173,7 @@ def main() -> None:
         if args.bench and kind == "mtp":
             measured = mtp_acceptance(target, run_dir, folder, shard_files(bench_folder, "held_out"),
                                       load_manifest_layers(features))
-            with (out / "on_bench.jsonl").open("a") as on_bench:
+            with (out / ON_BENCH).open("a") as on_bench:
                 on_bench.write(json.dumps({"run": name, "tokens": trained_tokens, "bench": args.bench,
                                            "acceptance": measured}) + "\n")
             print(f"{name} on the bench's plain outputs (code: HumanEval, answer: the rest): {describe(measured)}",

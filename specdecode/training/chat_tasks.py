@@ -193,7 +193,7 @@ def _usable(templates: list[str], topics: dict[str, list[str]]) -> bool:
 
 def _fill(template: str, topics: dict[str, list[str]], rng: random.Random) -> str:
     values = {}
-    for field in set(_fields(template)):
+    for field in dict.fromkeys(_fields(template)):  # in the template's order: a set's order changes between runs
         first, second = rng.sample(topics[field], 2)
         values[field], values[field + "2"] = first, second
     return template.format(**values)
