@@ -52,11 +52,12 @@ def add_parser(commands) -> None:
                        help="share of the training tokens that is the standard library's source, teacher-forced; "
                        "the rest is the target's own answers to prompts (default 0.1: a drafter drafts the target's "
                        "answers, and learns them several times faster from answers than from code)")
-    train.add_argument("--chat-share", type=float, default=0.0,
-                       help="share of the training tokens that is the target's answers to chat-like prompts "
-                       "(writing, role-play, reasoning, math, extraction, science, humanities, advice: templates "
-                       "filled with topics the target lists itself); the answers' rest is to standard-library "
-                       "tasks (default 0)")
+    train.add_argument("--chat-share", type=float, default=0.5,
+                       help="share of the target's answers (the tokens --code-share leaves) that answer chat-like "
+                       "prompts (writing, role-play, reasoning, math, extraction, science, humanities, advice: "
+                       "templates filled with topics the target lists itself); the rest answer standard-library "
+                       "tasks (default 0.5: at the same budget, half each keeps most of what each alone teaches "
+                       "on its own kind)")
     train.add_argument("--answers", type=int, default=48, help="vocab: prompts the target answers (default 48)")
     train.add_argument("--answer-tokens", type=int, default=384,
                        help="tokens per answer at most (default 384: most answers end by themselves)")
@@ -97,9 +98,6 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("code_share", "chat_share"):
         if not 0 <= getattr(args, name) <= 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.code_share + args.chat_share > 1:
-        raise SpecDecodeError(f"--code-share and --chat-share add up to more than 1 ({args.code_share} + "
-                              f"{args.chat_share})")
     if args.max_len < 16:
         raise SpecDecodeError(f"--max-len must be at least 16 tokens, got {args.max_len}")
     if not 0 < args.lr < 1:
@@ -127,10 +125,11 @@ def training_texts(chat: Iterable | None = None):
 
 
 def token_budget(args: argparse.Namespace) -> dict[tuple[str, str], int]:
-    """Tokens of features per (split, kind): --code-share of the training tokens teacher-forced code, --chat-share
-    the target's answers to chat-like prompts, the rest its answers to standard-library tasks; --held-out-tokens
-    of each kind held out (of chat only when chat is asked for)."""
-    code, chat = round(args.tokens * args.code_share), round(args.tokens * args.chat_share)
+    """Tokens of features per (split, kind): --code-share of the training tokens teacher-forced code, the rest the
+    target's answers, --chat-share of them to chat-like prompts and the others to standard-library tasks;
+    --held-out-tokens of each kind held out (of chat only when chat is trained on)."""
+    code = round(args.tokens * args.code_share)
+    chat = round((args.tokens - code) * args.chat_share)
     budget = {("train", "answer"): args.tokens - code - chat, ("train", "chat"): chat, ("train", "code"): code,
               ("held_out", "answer"): args.held_out_tokens, ("held_out", "code"): args.held_out_tokens,
               ("held_out", "chat"): args.held_out_tokens if chat else 0}
