@@ -56,10 +56,6 @@ def extract_all(target, features: Path, tokens: int) -> None:
     print(f"features: {done} in {(time.perf_counter() - began) / 60:.1f} min (0 if already on disk)", flush=True)
 
 
-def load_manifest_layers(features: Path) -> tuple[int, ...]:
-    return tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-
-
 def subset(features: Path, folder: Path, data: str, tokens: int) -> int:
     """A features folder linking the training shards of one data choice (up to `tokens`) and every held-out
     shard -> its training tokens."""
@@ -141,10 +137,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     extract_all(target, features, args.tokens)
     bench_folder = features.parent / f"{features.name}-bench"
+    layer_ids = feature_layer_ids(target.config.num_layers)
     if args.bench:
         shutil.rmtree(bench_folder, ignore_errors=True)
-        write_bench_shards(target, args.bench, args.bench_datasets.split(","), load_manifest_layers(features),
-                           bench_folder)
+        write_bench_shards(target, args.bench, args.bench_datasets.split(","), layer_ids, bench_folder)
     runs = [(kind, data, float(lr)) for kind in args.kinds.split(",") for data in args.data.split(",")
             for lr in args.lrs.split(",")]
     for kind, data, lr in runs:
@@ -171,8 +167,7 @@ def main() -> None:
         print(f"{name} ({trained_tokens} tokens, {(time.perf_counter() - began) / 60:.1f} min): "
               f"{describe(result['held_out_accuracy'])}", flush=True)
         if args.bench and kind == "mtp":
-            measured = mtp_acceptance(target, run_dir, folder, shard_files(bench_folder, "held_out"),
-                                      load_manifest_layers(features))
+            measured = mtp_acceptance(target, run_dir, folder, shard_files(bench_folder, "held_out"), layer_ids)
             with (out / ON_BENCH).open("a") as on_bench:
                 on_bench.write(json.dumps({"run": name, "tokens": trained_tokens, "bench": args.bench,
                                            "acceptance": measured}) + "\n")
