@@ -116,8 +116,9 @@ def test_train_answers_chat_prompts_and_measures_them_apart(tmp_path, capsys, mo
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     out, features = tmp_path / "out", tmp_path / "features"
     args = ["train", "mtp", "--target", str(folder), "--out", str(out), "--features", str(features), "--dtype",
-            "float32", "--quant", "none", "--tokens", "600", "--held-out-tokens", "100", "--code-share", "0.3", "--answer-tokens", "8", "--max-len", "320", "--draft-vocab", "32", "--epochs",
-            "1", "--eval-every", "4", "--quiet"]
+            "float32", "--quant", "none", "--tokens", "600", "--held-out-tokens", "100", "--code-share", "0.3",
+            "--answer-tokens", "8", "--max-len", "320", "--draft-vocab", "32", "--epochs", "1", "--eval-every", "4",
+            "--quiet"]
     assert main(args) == 0
     kinds = {path.stem.rsplit("-", 1)[1] for split in ("train", "held_out") for path in (features / split).iterdir()}
     assert kinds == {"answer", "chat", "code"} and (features / TOPICS_FILE).exists()

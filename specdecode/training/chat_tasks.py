@@ -94,10 +94,9 @@ def list_topics(answerer: Answerer) -> dict[str, list[str]]:
     small target asked greedily loops over a few; sampled lists measured far more varied), a list cut at its token
     cap losing its last, unfinished item."""
     tokenizer = answerer.engine.target.tokenizer
-    asked = [(name, seed) for name in TOPIC_REQUESTS for seed in range(LIST_SAMPLES)]
     prompt = {name: answerer.prompt_ids(LIST_PROMPT.format(count=TOPICS_PER_LIST, request=request))
               for name, request in TOPIC_REQUESTS.items()}
-    asked = [(name, seed) for name, seed in asked if prompt[name] is not None]
+    asked = [(name, seed) for name in TOPIC_REQUESTS if prompt[name] is not None for seed in range(LIST_SAMPLES)]
     lists = answerer.complete([prompt[name] for name, _ in asked],
                               [SamplingParams(temperature=LIST_TEMPERATURE, max_tokens=answerer.answer_tokens,
                                               seed=seed) for _, seed in asked])
@@ -147,9 +146,10 @@ def _reasoning_task(rng: random.Random, names: list[str]) -> str:
 
 
 def _extraction_task(rng: random.Random, topics: dict[str, list[str]]) -> str:
-    people = rng.sample(topics["name"], min(3, len(topics["name"]))) or ["Ana", "Ben", "Chen"]
-    rows = [f"{person} ({rng.randint(21, 64)}) works as a {rng.choice(topics['job'] or ['teacher']).lower()} "
-            f"in {rng.choice(topics['place'] or ['Lisbon'])}" for person in people]
+    """Needs names, jobs and places listed (chat_prompts leaves it out otherwise)."""
+    people = rng.sample(topics["name"], min(3, len(topics["name"])))
+    rows = [f"{person} ({rng.randint(21, 64)}) works as a {rng.choice(topics['job']).lower()} "
+            f"in {rng.choice(topics['place'])}" for person in people]
     text = ". ".join(rows) + "."
     return rng.choice([
         f"Extract each person's name, age, job and city from the text below and return them as JSON.\n\n{text}",

@@ -61,8 +61,8 @@ def check_manifest(folder: Path, manifest: dict) -> None:
         except (OSError, ValueError) as error:
             raise SpecDecodeError(f"cannot read {path} ({error}); delete the features folder to start it again"
                                   ) from None
-        changed = sorted(k for k in manifest if existing.get(k, manifest[k] if not manifest[k] else None)
-                         != manifest[k])
+        changed = sorted(key for key, value in manifest.items()
+                         if (existing[key] != value if key in existing else bool(value)))  # unwritten: was off
         if changed:
             raise SpecDecodeError(f"{folder} holds features made with other settings ({', '.join(changed)}); "
                                   "use another --out or the same settings")
