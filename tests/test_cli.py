@@ -100,22 +100,25 @@ def test_models_lists_defaults(capsys):
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "qwen2.5-coder-0.5b-instruct" in out
 
 
-def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
+def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4_and_a_draft_models_layers_w3a8(monkeypatch, capsys):
     import argparse
 
-    from specdecode.cli.options import draft_quant
+    from specdecode.cli.options import draft_model_quant, draft_quant
     from specdecode.models.kernels import w4a8_linear
 
     def flags(**overrides):
         return argparse.Namespace(**{"draft_quant": "auto", "device": "cpu", "group_size": 32, **overrides})
 
-    assert draft_quant(flags()) == ("w4a8" if w4a8_linear.w4a8_unavailable() is None else "int4")
-    assert draft_quant(flags(group_size=64)) == "int4"
-    assert draft_quant(flags(device="cuda")) == "none"
+    runs = w4a8_linear.w4a8_unavailable() is None
+    assert draft_quant(flags()) == ("w4a8" if runs else "int4")
+    assert draft_model_quant(flags()) == ("w3a8" if runs else "int4")
+    assert draft_quant(flags(group_size=64)) == draft_model_quant(flags(group_size=64)) == "int4"
+    assert draft_quant(flags(device="cuda")) == draft_model_quant(flags(device="cuda")) == "none"
     assert draft_quant(flags(draft_quant="int8")) == "int8"
+    assert draft_model_quant(flags(draft_quant="w4a8")) == "w4a8"  # asked for by name: as asked
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process on a CPU without AVX2
     monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
-    assert draft_quant(flags(), quiet=False) == "int4"
+    assert draft_model_quant(flags(), quiet=False) == "int4"
     assert "draft in int4, not w4a8: it needs a CPU with" in capsys.readouterr().err
 
 

@@ -1,7 +1,8 @@
 """The w4a8 kernel core on every instruction set, ARM NEON included: tests/kernel_driver/w4a8_driver.cpp runs the
 torch-free core (w4a8_core.cpp, row_ops.h) on inputs written here; it is built natively for each x86 variant
 this CPU runs and cross-compiled for aarch64 (Debian's g++-aarch64-linux-gnu) to run under qemu-user
-(qemu-aarch64). Every build must give the bits the torch extension gives, and check batch invariance itself.
+(qemu-aarch64). Every build must give the bits the torch extension gives, and check batch invariance itself, with
+4-bit codes (w4a8) and 3-bit ones (w3a8).
 The rest of the extension (attention, the fused layer, the torch glue) is compiled for aarch64 against torch's
 headers, so an ARM user's first load does not meet a compile error we could have seen here."""
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_w3a8_linear import three_bit_layer
 from test_w4a8_linear import each_variant, layer_and_weight
 
 from specdecode.models.kernels import w4a8_linear
@@ -49,17 +51,17 @@ def build(tmp_path: Path, compiler: str, flags: list[str], name: str) -> Path:
     return binary
 
 
-def inputs(tmp_path: Path) -> tuple[Path, dict]:
-    """The driver's input file, and the tensors in it."""
-    layer, _ = layer_and_weight(OUT, IN, seed=8)
+def inputs(tmp_path: Path, bits: int) -> tuple[Path, dict]:
+    """The driver's input file for a layer with codes of `bits` bits, and the tensors in it."""
+    layer, _ = (layer_and_weight if bits == 4 else three_bit_layer)(OUT, IN, seed=8)
     generator = torch.Generator().manual_seed(9)
     bias = torch.randn(OUT, generator=generator)  # [N]
     x = torch.randn(ROWS, IN, generator=generator) * 3  # [M, K]
     x[0, :32] = 0  # a group of zeros: scale 0, codes 0
     norm_weight = torch.randn(IN, generator=generator)  # [K]
-    path = tmp_path / "input.bin"
+    path = tmp_path / f"input-{bits}.bin"
     with path.open("wb") as file:
-        file.write(np.array([OUT, IN, ROWS], dtype=np.int64).tobytes())
+        file.write(np.array([OUT, IN, ROWS, bits], dtype=np.int64).tobytes())
         for tensor in (layer.codes, layer.group_scales, layer.block_scales.view(torch.int16), bias, x, norm_weight):
             file.write(tensor.contiguous().numpy().tobytes())
     return path, {"layer": layer, "bias": bias, "x": x, "norm_weight": norm_weight}
@@ -79,12 +81,14 @@ def run(binary: Path, input_path: Path, emulator: list[str] | None = None) -> di
 
 @pytest.mark.parametrize("isa", [param for param in each_variant() if param.values[0] != "neon"])
 def test_the_driver_gives_the_extensions_bits_on_each_x86_variant(tmp_path, isa):
-    input_path, given = inputs(tmp_path)
-    ours = run(build(tmp_path, "g++", list(VARIANTS[isa][1]), f"driver-{isa}"), input_path)
-    layer = given["layer"]
-    extension = w4a8_linear.load_variant(isa).w4a8_mm(given["x"], layer.codes, layer.group_scales,
-                                                       layer.block_scales)
-    assert torch.equal(ours["matmul"], extension + given["bias"])
+    binary = build(tmp_path, "g++", list(VARIANTS[isa][1]), f"driver-{isa}")
+    for bits in (4, 3):
+        input_path, given = inputs(tmp_path, bits)
+        ours = run(binary, input_path)
+        layer = given["layer"]
+        extension = w4a8_linear.load_variant(isa).w4a8_mm(given["x"], layer.codes, layer.group_scales,
+                                                           layer.block_scales)
+        assert torch.equal(ours["matmul"], extension + given["bias"]), bits
     # The row operations against PyTorch: the same math within float32 rounding (bitwise is between variants).
     x = given["x"]
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * given["norm_weight"]
@@ -95,13 +99,15 @@ def test_the_driver_gives_the_extensions_bits_on_each_x86_variant(tmp_path, isa)
 
 def test_neon_under_qemu_gives_the_x86_bits(tmp_path):
     cross_tools_or_skip()
-    input_path, _ = inputs(tmp_path)
-    neon = run(build(tmp_path, CROSS_COMPILER, ["-static", *VARIANTS["neon"][1]], "driver-neon"), input_path,
-               emulator=[EMULATOR, "-cpu", "max"])
+    neon_binary = build(tmp_path, CROSS_COMPILER, ["-static", *VARIANTS["neon"][1]], "driver-neon")
     native_isa = w4a8_linear.kernel_isa()
-    native = run(build(tmp_path, "g++", list(VARIANTS[native_isa][1]), f"driver-{native_isa}"), input_path)
-    for name in ("matmul", "rms_norm", "silu"):
-        assert torch.equal(neon[name], native[name]), name
+    native_binary = build(tmp_path, "g++", list(VARIANTS[native_isa][1]), f"driver-{native_isa}")
+    for bits in (4, 3):
+        input_path, _ = inputs(tmp_path, bits)
+        neon = run(neon_binary, input_path, emulator=[EMULATOR, "-cpu", "max"])
+        native = run(native_binary, input_path)
+        for name in ("matmul", "rms_norm", "silu"):
+            assert torch.equal(neon[name], native[name]), (bits, name)
 
 
 def test_the_whole_extension_compiles_for_aarch64():

@@ -37,11 +37,23 @@ def layer_and_weight(out_features: int, in_features: int, seed: int = 0) -> tupl
     return layer, unpacked_weight(layer)
 
 
+def unpacked_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[T, G, 256] (4-bit) or [T, G, 192] (3-bit) uint8 in w4a8_core.cpp's layout -> [T, G, 8, 16, 4] codes: quad
+    j (inputs 4j..4j+3), row, input in the quad."""
+    tiles, groups, size = packed.shape
+    if size == 256:
+        nibbles = packed.view(tiles, groups, 4, 16, 4)  # [T, G, run, row, 4 inputs]
+        return torch.cat([nibbles & 15, nibbles >> 4], dim=2)  # quads 0-3 low nibbles, 4-7 high ones
+    first, second, third = packed.view(tiles, groups, 3, 16, 4).unbind(2)  # [T, G, row, 4 inputs] each
+    quads = [first & 7, first >> 3 & 7, second & 7, second >> 3 & 7, third & 7, third >> 3 & 7,
+             first >> 6 | (third >> 6 & 1) << 2, second >> 6 | (third >> 7) << 2]
+    return torch.stack(quads, dim=2)
+
+
 def unpacked_weight(layer: W4A8Linear) -> torch.Tensor:
-    """[N, K] float32 from the kernel's layout (w4a8_kernel.cpp), undone step by step."""
+    """[N, K] float32 from the kernel's layout (w4a8_core.cpp), undone step by step."""
     tiles, groups, _ = layer.codes.shape
-    nibbles = layer.codes.view(tiles, groups, 4, 16, 4)  # [T, G, run, row, 4 inputs]
-    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=2)  # [T, G, 8, 16, 4]: inputs 0-15, then 16-31
+    codes = unpacked_codes(layer.codes)  # [T, G, 8, 16, 4]
     codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, 32).float()  # [N, G, 32]
 
     def per_row(values: torch.Tensor) -> torch.Tensor:  # [T, X, 16] -> [N, X]
@@ -253,12 +265,17 @@ def test_w4a8_from_gguf_keeps_q4_k_codes_and_reloads_from_the_cache(tmp_path, ca
         error = (gate_up(x) - reference).abs().max()
         # The file's 6-bit scales and mins, re-rounded to 8-bit codes per group and a bfloat16 unit per 256 inputs.
         assert error < 5e-3 * reference.abs().max()
+    assert_reloads_from_the_cache(monkeypatch, path, "w4a8", built)
+
+
+def assert_reloads_from_the_cache(monkeypatch, source: Path, quant: str, built: torch.nn.Module) -> None:
+    """Loading `source` in `quant` again reads the cache, never builds, and gives `built`'s logits bit for bit."""
 
     def fail(*args, **kwargs):
-        raise AssertionError("rebuilt although the w4a8 model is cached")
+        raise AssertionError(f"rebuilt although the {quant} model is cached")
 
     monkeypatch.setattr(quantized_model, "build_quantized", fail)
-    cached = load_model(path, dtype="float32", quant="w4a8").model
+    cached = load_model(source, dtype="float32", quant=quant).model
     tokens = torch.arange(9).unsqueeze(0)  # [1, 9]
     with torch.inference_mode():
         logits = [m(tokens, torch.arange(9).unsqueeze(0), m.new_cache(9)).logits for m in (built, cached)]

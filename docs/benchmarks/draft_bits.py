@@ -4,11 +4,11 @@ Run from the repository root: python docs/benchmarks/draft_bits.py [--humaneval 
 
 The target (w4a8) writes greedy answers to the first N HumanEval prompts and the first MT-bench question of each
 category. The 0.5B draft then reads each prompt + answer in one forward, teacher-forced, and we count how often its
-top-1 token is the target's next token: the first drafted position's acceptance, without running a kernel that
-does not exist yet. Each decoder-layer linear of the float draft is replaced by its weights quantized per group of
-32 inputs to b bits with a scale and an offset (w = code * scale + offset, as the w4a8 kernel's layout), either from
-the group's min and max or with the clipping range searched for the least squared error; the output head stays as
-loaded. The real w4a8 draft (int8 activations too) is the reference row.
+top-1 token is the target's next token: the first drafted position's acceptance. Each decoder-layer linear of the
+float draft is replaced by its weights quantized per group of 32 inputs to b bits with a scale and an offset
+(w = code * scale + offset, as the w4a8 kernel's layout), either from the group's min and max or with the clipping
+range searched for the least squared error (searched_groups); the output head stays as loaded. The drafts as served
+on the kernel (int8 activations too, the head quantized as well), w4a8 and w3a8, are the first rows.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from torch import nn
 
 from specdecode import Engine, SamplingParams, SpecConfig, load_model
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.models.kernels.quantized_linear import searched_groups
 
 HUMANEVAL = Path("../shared/data/humaneval/humaneval_specbench_format.jsonl")
 MT_BENCH = Path("../shared/data/mt_bench/question.jsonl")
-SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # clipping ranges tried, as a share of the group's max - min
-SHIFTS = (-0.1, -0.05, 0.0, 0.05, 0.1)  # the range's centre moved by this share of its half-width
 
 
 def prompts(humaneval: int) -> list[str]:
@@ -43,24 +42,8 @@ def prompts(humaneval: int) -> list[str]:
 
 def quantized(weight: torch.Tensor, bits: int, search: bool) -> torch.Tensor:
     """[N, K] -> [N, K]: each group of 32 inputs at `bits` bits, dequantized back to float32."""
-    rows, inputs = weight.shape
-    groups = weight.float().reshape(rows, inputs // 32, 32)  # [N, K/32, 32]
-    top = 2**bits - 1
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)  # [N, K/32, 1] each
-    best, best_error = None, None
-    for shrink in SHRINKS if search else (1.0,):
-        for shift in SHIFTS if search else (0.0,):
-            half = (high - low) / 2 * shrink  # [N, K/32, 1]
-            start = (high + low) / 2 + shift * half - half
-            scale = (2 * half / top).clamp_min(1e-12)
-            values = torch.round((groups - start) / scale).clamp(0, top) * scale + start  # [N, K/32, 32]
-            error = ((values - groups) ** 2).sum(-1, keepdim=True)  # [N, K/32, 1]
-            if best is None:
-                best, best_error = values, error
-            else:
-                best = torch.where(error < best_error, values, best)
-                best_error = torch.minimum(error, best_error)
-    return best.reshape(rows, inputs)
+    codes, scales, offsets = searched_groups(weight, bits, 32, search)  # [N, K], [N, K/32] twice
+    return codes * scales.repeat_interleave(32, dim=1) + offsets.repeat_interleave(32, dim=1)
 
 
 def layer_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -111,7 +94,9 @@ def main() -> None:
         sequences.append((prompt + answer, len(prompt)))
     print(f"{len(sequences)} answers, {sum(len(ids) - start for ids, start in sequences)} tokens\n")
     print("| draft layers | top-1 agreement with the target |\n|---|---|")
-    print(f"| w4a8 (the kernel, as served) | {agreement(load_model(DEFAULT_DRAFT, quiet=True, quant='w4a8').model, sequences):.1%} |")
+    for quant in ("w4a8", "w3a8"):
+        served = load_model(DEFAULT_DRAFT, quiet=True, quant=quant).model
+        print(f"| {quant} (the kernel, as served) | {agreement(served, sequences):.1%} |", flush=True)
     draft = load_model(DEFAULT_DRAFT, quiet=True, quant="none").model
     dtype = next(draft.parameters()).dtype
     weights = layer_weights(draft)

@@ -13,7 +13,6 @@ from specdecode.cli.options import (
     add_sampling_args,
     add_spec_args,
     build_engine,
-    draft_quant,
     sampling_from_args,
     spec_from_args,
 )
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         engine.check_spec(method.spec)  # every method's needs, before the first measurement
     target, draft = engine.target, engine.draft
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
-             "quant": target.quant, "draft_quant": draft_quant(args) if draft else None,
+             "quant": target.quant, "draft_quant": draft.quant if draft else None,
              "questions": len(questions), "max_tokens": sampling.max_tokens,
              "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
     run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup)

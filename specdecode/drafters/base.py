@@ -49,7 +49,7 @@ class DrafterResources:
     context_limit: int = 0
     # --draft-head as given, for drafters with their own weight format: one path, or method -> its path
     draft_path: str | dict[str, str] | None = None
-    draft_quant: str = "none"  # what a drafter's own weights run as: none, int8, int4 or w4a8
+    draft_quant: str = "none"  # what a drafter's own weights run as: none, int8, int4, w4a8 or w3a8
     # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
     # differ only in options share them, and the Engine counts them once.
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)

@@ -74,7 +74,7 @@ class Engine:
         """`draft`: a draft model (method 'draft'); `draft_path`: the weights of a drafter with its own format
         (an EAGLE-3 head or DFlash folder), read by that drafter when a spec first uses it, or a dict from method
         to its folder when several such drafters run; `draft_quant`: what those weights run as (none, int8,
-        int4, w4a8; the CLI's --draft-quant with auto resolved); `prefix_cache_bytes`: memory for ended
+        int4, w4a8, w3a8; the CLI's --draft-quant with auto resolved); `prefix_cache_bytes`: memory for ended
         requests' KV caches, which later prompts with the same beginning reuse (prefix_cache.py; 0: none)."""
         self.target = target
         self.draft = draft

@@ -99,7 +99,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
     """Load a default name, a .gguf file or a Hugging Face-style folder (config.json + *.safetensors).
 
     quant: "none", "int8" (per channel) or "int4" (group-wise, `group_size` inputs per group), weight-only;
-    "w4a8" (int4 weights, int8 activations); "auto" chooses (auto_quant.py) and says what and why unless
+    "w4a8" (int4 weights, int8 activations); "w3a8" (the same with 3-bit weights); "auto" chooses (auto_quant.py) and says what and why unless
     quiet. Quantized models are built tensor by tensor from the source and cached (see quantized_model.py).
     """
     check_device(device)

@@ -3,8 +3,8 @@
 // one under qemu-user included, and compare the bits each variant gives on the same inputs.
 //
 //   w4a8_driver INPUT OUTPUT
-// INPUT: int64 N, K, M; codes [N/16, K/32, 256] uint8; group_scales [N/16, K/32, 32] uint8; block_scales
-// [N/16, ceil(K/256), 32] bfloat16 bits; bias [N] float32; x [M, K] float32; norm weight [K] float32.
+// INPUT: int64 N, K, M, bits (4 or 3); codes [N/16, K/32, bits * 64] uint8; group_scales [N/16, K/32, 32] uint8;
+// block_scales [N/16, ceil(K/256), 32] bfloat16 bits; bias [N] float32; x [M, K] float32; norm weight [K] float32.
 // OUTPUT: x times the weight [M, N]; rms_norm(x) [M, K]; silu(gate) * up with x's rows as [gate, up] [M, K/2];
 // all float32. Before writing, it checks batch invariance itself: each row alone, and the rows in two uneven
 // batches, give the bits the whole batch gives; it exits 1 saying which row differs.
@@ -48,9 +48,9 @@ int main(int argc, char** argv) {
     fprintf(stderr, "cannot read %s\n", argv[1]);
     return 2;
   }
-  const std::vector<int64_t> sizes = read_values<int64_t>(input, 3);
-  const int64_t N = sizes[0], K = sizes[1], M = sizes[2], T = N / 16, G = K / 32;
-  const auto codes = read_values<uint8_t>(input, T * G * 256);
+  const std::vector<int64_t> sizes = read_values<int64_t>(input, 4);
+  const int64_t N = sizes[0], K = sizes[1], M = sizes[2], bits = sizes[3], T = N / 16, G = K / 32;
+  const auto codes = read_values<uint8_t>(input, T * G * bits * 64);
   const auto group_scales = read_values<uint8_t>(input, T * G * 32);
   const auto block_scales = read_values<uint16_t>(input, T * ((G + 7) / 8) * 32);
   const auto bias = read_values<float>(input, N);
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   const auto norm_weight = read_values<float>(input, K);
   fclose(input);
 
-  const W4A8View weight{codes.data(), group_scales.data(), block_scales.data(), bias.data(), N, K};
+  const W4A8View weight{codes.data(), group_scales.data(), block_scales.data(), bias.data(), N, K, (int)bits};
   const std::vector<float> together = matmul(weight, x, 0, M);  // [M, N]
   const int64_t split = M / 3 + 1;  // two uneven batches, [0, split) and [split, M)
   for (int64_t m = 0; m < M; ++m) {

@@ -17,8 +17,8 @@ GROUP = W4A8_GROUP  # inputs per group for int4 too: the one size w4a8's kernel 
 
 
 def quantize_linears(module: nn.Module, quant: str) -> int:
-    """Replace every nn.Linear inside `module` by its `quant` form ("none", "int8", "int4", "w4a8"; a layer whose
-    shape the kernel does not take becomes int8, as in a quantized model) -> how many were replaced."""
+    """Replace every nn.Linear inside `module` by its `quant` form ("none", "int8", "int4", "w4a8", "w3a8"; a
+    layer whose shape the kernel does not take becomes int8, as in a quantized model) -> how many were replaced."""
     if quant == "none":
         return 0
     replaced = 0
@@ -38,9 +38,11 @@ def quantized_from_rows(shape: tuple[int, int], rows: Callable[[], Iterable[torc
     """A linear layer of a float weight of `shape` [N, K], read as blocks of rows by `rows()`: in `quant` where
     the shape fits its kernel, else int8 per channel. `groups()`: int4 groups already at hand (a GGUF's Q4_K
     codes), used instead of min-max groups of the float rows."""
-    fits = w4a8_fits(*shape) if quant == "w4a8" else int4_fits(*shape, group_size)
+    fits = w4a8_fits(*shape) if quant in ("w4a8", "w3a8") else int4_fits(*shape, group_size)
     if quant == "int8" or not fits:
         return Int8Linear.from_blocks(rows(), bias, dtype)
+    if quant == "w3a8":  # from the float rows: a GGUF's 4-bit codes do not give 3-bit ones
+        return W4A8Linear.from_rows(rows(), bias, bits=3)
     int4_groups = groups() if groups is not None else (minmax_groups(block, group_size) for block in rows())
     if quant == "w4a8":
         return W4A8Linear.from_groups(int4_groups, bias)

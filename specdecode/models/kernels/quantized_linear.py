@@ -15,7 +15,12 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 
 _INT4_PACK_ROWS = 64  # the int4 CPU packing lays out rows in blocks of 64, with a differently laid-out tail
-QUANT_MODES = ("none", "int8", "int4", "w4a8")  # w4a8: int4 weights, int8 activations (w4a8_linear.py)
+# w4a8: int4 weights, int8 activations (w4a8_linear.py); w3a8: the same kernel with 3-bit weights, for drafts
+QUANT_MODES = ("none", "int8", "int4", "w4a8", "w3a8")
+# The clipping ranges searched_groups tries: shares of a group's max - min, and shifts of the range's centre by
+# shares of its half-width (35 candidates; at 3 bits min-max alone cost a draft 4 points of acceptance, this 1.4).
+CLIP_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+CLIP_SHIFTS = (-0.1, -0.05, 0.0, 0.05, 0.1)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 CPU kernel supports
 # torch's int8 CPU kernel (torch 2.13) reads past the end of each row in bfloat16 when K is not a multiple of 16:
 # garbage outputs, NaN or a crash. Such layers run with zero columns appended, which add nothing to the sums.
@@ -66,8 +71,8 @@ def check_quant(mode: str, group_size: int) -> None:
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise SpecDecodeError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                               f"got {group_size}")
-    if mode == "w4a8" and group_size != 32:
-        raise SpecDecodeError(f"w4a8 uses groups of 32 (its kernel's); got --group-size {group_size}")
+    if mode in ("w4a8", "w3a8") and group_size != 32:
+        raise SpecDecodeError(f"{mode} uses groups of 32 (its kernel's); got --group-size {group_size}")
 
 
 def minmax_groups(block: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,6 +85,34 @@ def minmax_groups(block: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [n, K/G, G]
     # the zero moves the kernel's (q - 8) back to low + q * scale
     return codes.to(torch.int32).reshape(rows, in_features), scales, low + 8 * scales
+
+
+def searched_groups(block: torch.Tensor, bits: int, group_size: int = 32,
+                    search: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group of a block of rows [n, K] at `bits` bits over the range, among CLIP_SHRINKS x CLIP_SHIFTS of its
+    min-max one, with the least squared error (only min-max where not `search`) -> codes [n, K] int32 in
+    [0, 2^bits - 1], scales and offsets [n, K/G] with w = code * scale + offset."""
+    rows, in_features = block.shape
+    groups = block.detach().float().reshape(rows, in_features // group_size, group_size)  # [n, G, g]
+    top = 2**bits - 1
+    low, high = groups.amin(-1), groups.amax(-1)  # [n, G] each
+    best: tuple[torch.Tensor, ...] | None = None
+    best_error = torch.full_like(low, float("inf"))  # [n, G]
+    for shrink in CLIP_SHRINKS if search else (1.0,):
+        for shift in CLIP_SHIFTS if search else (0.0,):
+            half = (high - low) / 2 * shrink  # [n, G]
+            start = (high + low) / 2 + (shift - 1) * half  # [n, G]: the range's lowest value
+            scale = (2 * half / top).clamp_min(1e-12)  # [n, G]
+            codes = torch.round((groups - start[..., None]) / scale[..., None]).clamp(0, top)  # [n, G, g]
+            error = ((codes * scale[..., None] + start[..., None] - groups) ** 2).sum(-1)  # [n, G]
+            better = error < best_error  # [n, G]
+            candidate = (codes, scale, start)
+            best = candidate if best is None else tuple(
+                torch.where(better[..., None] if new.dim() == 3 else better, new, old)
+                for new, old in zip(candidate, best))
+            best_error = torch.minimum(error, best_error)
+    codes, scales, offsets = best
+    return codes.to(torch.int32).reshape(rows, in_features), scales, offsets
 
 
 class Int8Linear(nn.Module):

@@ -12,6 +12,13 @@
 //   block_scales  [N/16, ceil(K/256), 32] bfloat16: the 16 rows' scale multipliers, then offset multipliers.
 // w = code * (scale code * scale multiplier) + offset code * offset multiplier: 4.625 bits per weight, as
 // llama.cpp's Q4_K spends 4.5 (its scales have 6 bits), where float16 scales and offsets per group cost 5.
+// w3a8 (3-bit codes, 3.625 bits per weight: a draft model's cheaper form) differs only in the codes:
+//   codes         [N/16, K/32, 192] uint8: three vectors of 64 bytes; with q_j the code of (row n, input 4j+b),
+//                 byte 4n+b of the first holds q_0 in bits 0-2, q_1 in bits 3-5 and q_6's low two bits in bits
+//                 6-7; of the second q_2, q_3 and q_7's low two bits; of the third q_4, q_5, and the third bits
+//                 of q_6 and q_7 in bits 6 and 7. Each quad is then one to five byte operations away from the
+//                 16 rows x 4 inputs vpdpbusd takes (vcodes3 in w4a8_simd.h): 19 a group against 4-bit's 12,
+//                 where a layout of bit planes took 37 and cost more time than its bytes saved.
 // Activations are quantized per row and group of 32 to int8 with scale d; a group's contribution to an
 // output is then d * (scale * sum(code * a) + offset * sum(a)), with the integer sum exact.
 // Each row is quantized on its own and reduced in the same order whatever M is, so results are batch-invariant.
@@ -57,7 +64,41 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 // kernel is bound by its multiplies, and the hardware prefetcher alone left the stream and those multiplies
 // taking turns: verifying 8 rows cost 2.1x one token with it, 1.7x with this (docs/benchmarks/verify_rows.py).
 constexpr int kPrefetchGroups = 8;
-template <int MB>
+
+// Bytes of codes per group of a tile: 256 at 4 bits, 192 at 3.
+template <int Bits>
+constexpr int kGroupBytes = Bits * 64;
+
+// A group's codes for kLanes of a tile's rows, quad j (inputs 4j .. 4j+3) in codes[j]; `block` is the group's
+// codes plus 4 * the first row.
+template <int Bits>
+inline void unpack_group(const uint8_t* block, VI codes[8]) {
+  if constexpr (Bits == 4) {
+    for (int p = 0; p < 4; ++p) {
+      const VI v = vload_codes(block + 64 * p);
+      codes[p] = vlow_nibbles(v);
+      codes[p + 4] = vhigh_nibbles(v);
+    }
+  } else {
+    const VI v[3] = {vload_codes(block), vload_codes(block + 64), vload_codes(block + 128)};
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) codes[j] = vcodes3(v, j);
+  }
+}
+
+// Quad j's codes alone, for the paired AVX2 tile, which unpacks one quad at a time.
+template <int Bits>
+inline VI quad_codes(const uint8_t* block, int j) {
+  if constexpr (Bits == 4) {
+    const VI run = vload_codes(block + 64 * (j % 4));
+    return j < 4 ? vlow_nibbles(run) : vhigh_nibbles(run);
+  } else {
+    const VI v[3] = {vload_codes(block), vload_codes(block + 64), vload_codes(block + 128)};
+    return vcodes3(v, j);
+  }
+}
+
+template <int MB, int Bits>
 static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q, const float* d,
                       const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   const int64_t G = K / 32;
@@ -81,20 +122,15 @@ static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, c
       }
       // Past the tile's last group this reaches into the next tile's, which is the next one a thread takes (past
       // the weight's end, a prefetch does not fault).
-      const uint8_t* ahead = w + (g + kPrefetchGroups) * 256;
-      for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+      const uint8_t* ahead = w + (g + kPrefetchGroups) * kGroupBytes<Bits>;
+      for (int line = 0; line < Bits; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
       if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
 #pragma GCC unroll 4
       for (int h = 0; h < H; ++h) {
         // The tile's rows first .. first + kLanes - 1 are bytes 4 * first onwards of each 64-byte run.
         const int first = lane0 + h * kLanes;
-        const uint8_t* block = w + g * 256 + 4 * first;
         VI codes[8];
-        for (int p = 0; p < 4; ++p) {
-          const VI v = vload_codes(block + 64 * p);
-          codes[p] = vlow_nibbles(v);
-          codes[p + 4] = vhigh_nibbles(v);
-        }
+        unpack_group<Bits>(w + g * kGroupBytes<Bits> + 4 * first, codes);
         const V sv = vmul(vfrom_u8(gs + g * 32 + first), scale_unit[h]);
         const V zv = vmul(vfrom_s8(gs + g * 32 + 16 + first), offset_unit[h]);
 #pragma GCC unroll 16
@@ -121,7 +157,7 @@ static void tile_rows(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, c
 // the rows' accumulators overflow AVX2's 16 registers. Here one walk takes both halves, a quad's codes are
 // unpacked once and used by every row, and the rows' int16 pair sums stay in registers (2 per row; the float
 // accumulators go to memory, touched once per group).
-template <int MB>
+template <int MB, int Bits>
 static void tile_rows_paired(const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
                              const float* d, const float* dsum, int64_t K, int64_t N, const float* bias,
                              float* out) {
@@ -137,20 +173,16 @@ static void tile_rows_paired(const uint8_t* w, const uint8_t* gs, const uint16_t
         offset_unit[h] = vfrom_bf16(bs + g / 8 * 32 + 16 + h * kLanes);
       }
     }
-    const uint8_t* ahead = w + (g + kPrefetchGroups) * 256;
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    const uint8_t* ahead = w + (g + kPrefetchGroups) * kGroupBytes<Bits>;
+    for (int line = 0; line < Bits; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
     if (g % 2 == 0) __builtin_prefetch(gs + (g + kPrefetchGroups) * 32, 0, 3);
-    const uint8_t* block = w + g * 256;
+    const uint8_t* block = w + g * kGroupBytes<Bits>;
     VP pairs[MB][2];
-    // Quad j's codes: run j % 4, low nibbles for j < 4 (inputs 4j..4j+3), high for the rest (inputs 16 on);
-    // bytes 0-31 of a run are the tile's rows 0-7, bytes 32-63 rows 8-15.
+    // Bytes 0-31 of each 64-byte run are the tile's rows 0-7, bytes 32-63 rows 8-15.
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       VI codes[2];
-      for (int h = 0; h < 2; ++h) {
-        const VI run = vload_codes(block + 64 * (j % 4) + 32 * h);
-        codes[h] = j < 4 ? vlow_nibbles(run) : vhigh_nibbles(run);
-      }
+      for (int h = 0; h < 2; ++h) codes[h] = quad_codes<Bits>(block + 32 * h, j);
 #pragma GCC unroll 16
       for (int i = 0; i < MB; ++i) {
         for (int h = 0; h < 2; ++h) {
@@ -181,36 +213,46 @@ static void tile_rows_paired(const uint8_t* w, const uint8_t* gs, const uint16_t
 #endif
 
 // tile_rows<rows> for a rows in [1, MB] known at run time.
-template <int MB>
+template <int MB, int Bits>
 static void tile_rows_up_to(int rows, const uint8_t* w, const uint8_t* gs, const uint16_t* bs, const int8_t* q,
                             const float* d, const float* dsum, int64_t K, int64_t N, const float* bias, float* out) {
   if (rows == MB) {
 #ifdef W4A8_INT16_PAIRS
     if constexpr (MB > 1) {
-      tile_rows_paired<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
+      tile_rows_paired<MB, Bits>(w, gs, bs, q, d, dsum, K, N, bias, out);
       return;
     }
 #endif
-    tile_rows<MB>(w, gs, bs, q, d, dsum, K, N, bias, out);
+    tile_rows<MB, Bits>(w, gs, bs, q, d, dsum, K, N, bias, out);
   } else if constexpr (MB > 1) {
-    tile_rows_up_to<MB - 1>(rows, w, gs, bs, q, d, dsum, K, N, bias, out);
+    tile_rows_up_to<MB - 1, Bits>(rows, w, gs, bs, q, d, dsum, K, N, bias, out);
   }
 }
 
 // Rows go kRowsPerPass at a time so that a tile's unpacked codes stay in registers.
-void w4a8_tiles(const QuantizedRows& x, const W4A8View& weight, int64_t first_tile, int64_t end_tile, float* out) {
+template <int Bits>
+static void tiles_of(const QuantizedRows& x, const W4A8View& weight, int64_t first_tile, int64_t end_tile,
+                     float* out) {
   const int64_t M = x.rows, K = weight.in_features, N = weight.out_features, G = K / 32;
   for (int64_t t = first_tile; t < end_tile; ++t) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
       const int rows = (int)std::min<int64_t>(kRowsPerPass, M - m0);
-      const uint8_t* wt = weight.codes + t * G * 256;
+      const uint8_t* wt = weight.codes + t * G * kGroupBytes<Bits>;
       const uint8_t* gt = weight.group_scales + t * G * 32;
       const uint16_t* bt16 = weight.block_scales + t * ((G + 7) / 8) * 32;
       const int8_t* qm = x.codes.data() + m0 * K;
       const float* dm = x.scales.data() + m0 * G;
       const float* dsm = x.scaled_sums.data() + m0 * G;
       const float* bt = weight.bias ? weight.bias + t * 16 : nullptr;
-      tile_rows_up_to<kRowsPerPass>(rows, wt, gt, bt16, qm, dm, dsm, K, N, bt, out + m0 * N + t * 16);
+      tile_rows_up_to<kRowsPerPass, Bits>(rows, wt, gt, bt16, qm, dm, dsm, K, N, bt, out + m0 * N + t * 16);
     }
+  }
+}
+
+void w4a8_tiles(const QuantizedRows& x, const W4A8View& weight, int64_t first_tile, int64_t end_tile, float* out) {
+  if (weight.bits == 3) {
+    tiles_of<3>(x, weight, first_tile, end_tile, out);
+  } else {
+    tiles_of<4>(x, weight, first_tile, end_tile, out);
   }
 }

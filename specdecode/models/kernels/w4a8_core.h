@@ -5,14 +5,15 @@
 #include <cstdint>
 #include <vector>
 
-// One w4a8 linear layer's packed tensors: codes [N/16, K/32, 256], group_scales [N/16, K/32, 32], block_scales
-// [N/16, ceil(K/256), 32] (bfloat16 bits), bias [N] or null.
+// One w4a8 linear layer's packed tensors: codes [N/16, K/32, 256] (w3a8: 192), group_scales [N/16, K/32, 32],
+// block_scales [N/16, ceil(K/256), 32] (bfloat16 bits), bias [N] or null; bits: the codes' width, 4 or 3.
 struct W4A8View {
   const uint8_t* codes;
   const uint8_t* group_scales;
   const uint16_t* block_scales;
   const float* bias;
   int64_t out_features, in_features;
+  int bits;
 };
 
 // Rows of activations quantized to int8 per group of 32: codes [M, K], each group's scale d [M, K/32] and

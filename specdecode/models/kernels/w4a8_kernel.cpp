@@ -6,8 +6,9 @@
 
 W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,
                        c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 256 && codes.scalar_type() == torch::kByte &&
-              codes.is_contiguous(), "codes: [N/16, K/32, 256] contiguous uint8");
+  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == 256 || codes.size(2) == 192) &&
+              codes.scalar_type() == torch::kByte && codes.is_contiguous(),
+              "codes: [N/16, K/32, 256] (4-bit) or [N/16, K/32, 192] (3-bit) contiguous uint8");
   const int64_t T = codes.size(0), G = codes.size(1);
   TORCH_CHECK(group_scales.dim() == 3 && group_scales.size(0) == T && group_scales.size(1) == G &&
               group_scales.size(2) == 32 && group_scales.scalar_type() == torch::kByte &&
@@ -28,7 +29,7 @@ void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out) 
   const W4A8View view{weight.codes.data_ptr<uint8_t>(), weight.group_scales.data_ptr<uint8_t>(),
                       (const uint16_t*)weight.block_scales.data_ptr<at::BFloat16>(),
                       weight.bias.defined() ? weight.bias.data_ptr<float>() : nullptr, weight.out_features(),
-                      weight.in_features()};
+                      weight.in_features(), weight.bits()};
   const QuantizedRows rows = quantize_rows(x, M, view.in_features);
   at::parallel_for(0, view.out_features / 16, 1, [&](int64_t t0, int64_t t1) { w4a8_tiles(rows, view, t0, t1, out); });
 }

@@ -2,12 +2,13 @@
 #pragma once
 #include <torch/extension.h>
 
-// codes [N/16, K/32, 256] uint8, group_scales [N/16, K/32, 32] uint8, block_scales [N/16, ceil(K/256), 32]
-// bfloat16 (layout in w4a8_kernel.cpp); bias [N] float32 or undefined.
+// codes [N/16, K/32, 256] uint8 (3-bit codes: 192), group_scales [N/16, K/32, 32] uint8, block_scales
+// [N/16, ceil(K/256), 32] bfloat16 (layout in w4a8_core.cpp); bias [N] float32 or undefined.
 struct W4A8Weight {
   torch::Tensor codes, group_scales, block_scales, bias;
   int64_t out_features() const { return codes.size(0) * 16; }
   int64_t in_features() const { return codes.size(1) * 32; }
+  int bits() const { return (int)(codes.size(2) / 64); }
 };
 
 W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,

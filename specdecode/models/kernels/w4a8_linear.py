@@ -12,6 +12,10 @@ Weights take 4.625 bits each: 4-bit codes, and per group of 32 an 8-bit scale co
 times a bfloat16 multiplier per row and 256 inputs (llama.cpp's Q4_K has the same structure with 6-bit codes;
 float16 scales and offsets per group would cost 5 bits, and at one token a step reads every byte).
 
+w3a8 is the same kernel over 3-bit codes (3.625 bits a weight, 0.78 of the bytes), for draft models, whose precision
+never changes the output: each group's range is searched for the least squared error (searched_groups), since
+min-max 3-bit codes lose a draft 4 points of acceptance and searched ones 1.4 (docs/benchmarks/README.md).
+
 This is a different model from `--quant int4`: activations are rounded too. It is the same model for every batch of
 rows, though: each row is quantized on its own and summed in the same order whatever the number of rows, so a
 token's output does not depend on how many tokens share the forward (tested bit for bit).
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.kernels.quantized_linear import rows_in_multiples
+from specdecode.models.kernels.quantized_linear import rows_in_multiples, searched_groups
 
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
 TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
@@ -205,22 +209,23 @@ def _read_command(command: list[str]) -> str:
         return ""
 
 
-def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """codes [n, K] in [0, 15], scales and offsets [n, K/32] (w = code * scale + offset), n a multiple of 16
-    -> the kernel's layout (see w4a8_kernel.cpp): codes [n/16, K/32, 256] uint8, group_scales [n/16, K/32, 32]
-    uint8 and block_scales [n/16, ceil(K/256), 32] bfloat16."""
+def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+               bits: int = 4) -> tuple[torch.Tensor, ...]:
+    """codes [n, K] in [0, 2^bits - 1], scales and offsets [n, K/32] (w = code * scale + offset), n a multiple of
+    16 -> the kernel's layout (see w4a8_core.cpp): codes [n/16, K/32, bits * 64] uint8, group_scales
+    [n/16, K/32, 32] uint8 and block_scales [n/16, ceil(K/256), 32] bfloat16."""
     rows, in_features = codes.shape
     tiles, groups = rows // TILE_ROWS, in_features // W4A8_GROUP
-    # A negative scale flips its group's codes, q * s + o = (15 - q) * (-s) + (o + 15 s), so scale codes are
+    top = 2**bits - 1
+    # A negative scale flips its group's codes, q * s + o = (top - q) * (-s) + (o + top s), so scale codes are
     # unsigned and keep all 8 bits.
     flipped = scales < 0  # [n, G]
-    codes = torch.where(flipped.repeat_interleave(W4A8_GROUP, dim=1), 15 - codes, codes)
-    offsets = torch.where(flipped, offsets + 15 * scales, offsets)
+    codes = torch.where(flipped.repeat_interleave(W4A8_GROUP, dim=1), top - codes, codes)
+    offsets = torch.where(flipped, offsets + top * scales, offsets)
     scale_codes, scale_units = _codes_per_block(scales.abs(), 255)  # [n, G] in [0, 255], [n, B]
     offset_codes, offset_units = _codes_per_block(offsets, 127)  # [n, G] in [-127, 127], [n, B]
 
     quads = codes.to(torch.uint8).view(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, 8, 16, 4]
-    packed = quads[:, :, :4] | (quads[:, :, 4:] << 4)  # [T, G, 4, 16, 4]: inputs 16-31 in the high nibbles
 
     def per_tile(values: torch.Tensor) -> torch.Tensor:  # [n, X] -> [T, X, 16]
         return values.reshape(tiles, TILE_ROWS, -1).permute(0, 2, 1)
@@ -228,7 +233,21 @@ def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor)
     group_scales = torch.cat([per_tile(scale_codes.to(torch.uint8)),
                               per_tile(offset_codes.to(torch.int8).view(torch.uint8))], dim=-1)  # [T, G, 32]
     block_scales = torch.cat([per_tile(scale_units), per_tile(offset_units)], dim=-1)  # [T, B, 32]
-    return packed.reshape(tiles, groups, 256).contiguous(), group_scales.contiguous(), block_scales.contiguous()
+    return _packed_codes(quads, bits).contiguous(), group_scales.contiguous(), block_scales.contiguous()
+
+
+def _packed_codes(quads: torch.Tensor, bits: int) -> torch.Tensor:
+    """quads [T, G, 8, 16, 4] uint8 (a tile's group, its quad j of inputs 4j..4j+3, row, input in the quad) ->
+    [T, G, bits * 64] uint8 in w4a8_core.cpp's layout."""
+    tiles, groups = quads.shape[:2]
+    if bits == 4:  # quads 0-3 in the low nibbles of runs 0-3, quads 4-7 in the high ones
+        return (quads[:, :, :4] | (quads[:, :, 4:] << 4)).reshape(tiles, groups, 256)
+    # Quads 0-5 in bits 0-2 and 3-5 of three vectors; quads 6 and 7 in their bits 6-7 (low two bits in the first
+    # and second, third bits in the third).
+    q = quads.unbind(2)  # 8 x [T, G, 16, 4]
+    vectors = (q[0] | q[1] << 3 | (q[6] & 3) << 6, q[2] | q[3] << 3 | (q[7] & 3) << 6,
+               q[4] | q[5] << 3 | (q[6] >> 2) << 6 | (q[7] >> 2) << 7)
+    return torch.cat([v.reshape(tiles, groups, 64) for v in vectors], dim=-1)
 
 
 def _codes_per_block(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,13 +264,13 @@ def _codes_per_block(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torc
 
 
 class W4A8Linear(nn.Module):
-    """w = code * scale + offset per group of 32 inputs, codes in [0, 15], scales and offsets in 8 bits times a
-    multiplier per 256 inputs; activations int8 per group of 32."""
+    """w = code * scale + offset per group of 32 inputs, codes in [0, 15] (w3a8: [0, 7]), scales and offsets in 8
+    bits times a multiplier per 256 inputs; activations int8 per group of 32."""
 
     def __init__(self, codes: torch.Tensor, group_scales: torch.Tensor, block_scales: torch.Tensor,
                  bias: torch.Tensor | None):
-        """codes [N/16, K/32, 256] uint8, group_scales [N/16, K/32, 32] uint8, block_scales [N/16, ceil(K/256), 32]
-        bfloat16 (w4a8_kernel.cpp's layout)."""
+        """codes [N/16, K/32, 256] uint8 (3-bit codes: 192), group_scales [N/16, K/32, 32] uint8, block_scales
+        [N/16, ceil(K/256), 32] bfloat16 (w4a8_core.cpp's layout)."""
         super().__init__()
         self.register_buffer("codes", codes)
         self.register_buffer("group_scales", group_scales)
@@ -259,6 +278,7 @@ class W4A8Linear(nn.Module):
         self.register_buffer("bias", bias.detach() if bias is not None else None)  # saved with the layer
         self.out_features = codes.shape[0] * TILE_ROWS
         self.in_features = codes.shape[1] * W4A8_GROUP
+        self.bits = codes.shape[2] // 64  # 4, or 3 for w3a8
 
     @classmethod
     def from_groups(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -271,6 +291,17 @@ class W4A8Linear(nn.Module):
                 raise SpecDecodeError(f"w4a8 needs output sizes divisible by {TILE_ROWS} and input sizes by "
                                       f"{W4A8_GROUP}; a layer has {codes.shape[0]} x {codes.shape[1]}")
             parts.append(pack_tiles(codes, scales.float(), zeros.float() - 8 * scales.float()))
+        return cls(*(torch.cat(part) for part in zip(*parts)), bias)
+
+    @classmethod
+    def from_rows(cls, blocks: Iterable[torch.Tensor], bias: torch.Tensor | None, bits: int) -> W4A8Linear:
+        """Blocks of a float weight's rows [n, K], each group of 32 at `bits` bits over its searched range."""
+        parts = []
+        for (rows,) in rows_in_multiples(((block,) for block in blocks), TILE_ROWS):
+            if not w4a8_fits(*rows.shape):
+                raise SpecDecodeError(f"w{bits}a8 needs output sizes divisible by {TILE_ROWS} and input sizes by "
+                                      f"{W4A8_GROUP}; a layer has {rows.shape[0]} x {rows.shape[1]}")
+            parts.append(pack_tiles(*searched_groups(rows, bits, W4A8_GROUP), bits=bits))
         return cls(*(torch.cat(part) for part in zip(*parts)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

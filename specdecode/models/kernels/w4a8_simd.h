@@ -74,6 +74,10 @@ inline VI vset1_int(int32_t x) { return _mm512_set1_epi32(x); }
 inline VI vload_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VI vlow_nibbles(VI a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
 inline VI vhigh_nibbles(VI a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+// Bits moved down within each 16-bit lane (the callers mask away what crosses from the other byte), bytes masked.
+inline VI vshift_right16(VI a, int bits) { return _mm512_srli_epi16(a, bits); }
+inline VI vmask_bytes(VI a, uint8_t mask) { return _mm512_and_si512(a, _mm512_set1_epi8((char)mask)); }
+inline VI vor_int(VI a, VI b) { return _mm512_or_si512(a, b); }
 // Per lane (output row): the sum over j of codes[j]'s 4 bytes times the 4 int8 activations a[4j .. 4j+3].
 // The activations' 4 bytes are broadcast from memory inside vpdpbusd ({1to16}), which GCC does not fold on its
 // own. With Chains = 2 two accumulators halve the chain of dependent vpdpbusd, for a row alone (latency-bound
@@ -141,6 +145,14 @@ inline VI vset1_int(int32_t x) { return vdupq_n_s32(x); }
 inline VI vload_codes(const uint8_t* p) { return vreinterpretq_s32_u8(vld1q_u8(p)); }
 inline VI vlow_nibbles(VI a) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(a), vdupq_n_u8(0x0F))); }
 inline VI vhigh_nibbles(VI a) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(a), 4)); }
+// Bits moved down within each byte (x86 shifts 16-bit lanes; the callers mask what crosses bytes there).
+inline VI vshift_right16(VI a, int bits) {
+  return vreinterpretq_s32_u8(vshlq_u8(vreinterpretq_u8_s32(a), vdupq_n_s8((int8_t)-bits)));
+}
+inline VI vmask_bytes(VI a, uint8_t mask) {
+  return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(a), vdupq_n_u8(mask)));
+}
+inline VI vor_int(VI a, VI b) { return vorrq_s32(a, b); }
 // sdot multiplies signed bytes; codes are at most 15, so read as signed they are the same numbers, and the int32
 // sums are exactly vpdpbusd's. The activations' quad j is lane j % 4 of one of two 16-byte loads (sdot's
 // by-element form broadcasts it). Two chains for a row alone, as on AVX-512.
@@ -221,6 +233,9 @@ inline VI vset1_int(int32_t x) { return _mm256_set1_epi32(x); }
 inline VI vload_codes(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline VI vlow_nibbles(VI a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
 inline VI vhigh_nibbles(VI a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
+inline VI vshift_right16(VI a, int bits) { return _mm256_srli_epi16(a, bits); }
+inline VI vmask_bytes(VI a, uint8_t mask) { return _mm256_and_si256(a, _mm256_set1_epi8((char)mask)); }
+inline VI vor_int(VI a, VI b) { return _mm256_or_si256(a, b); }
 #ifdef __AVXVNNI__
 // As the AVX-512 one, with the broadcast its own instruction (VEX encoding has no embedded broadcast).
 template <int Chains = 2>
@@ -256,6 +271,15 @@ inline VI vdot32(const VI codes[8], const int8_t* a) {
 }
 #endif
 #endif
+
+// Quad j's 3-bit codes (w3a8, laid out in w4a8_core.cpp) from a group's three vectors, in the shape vlow_nibbles
+// gives 4-bit ones: quads 0-5 are bits 0-2 or 3-5 of a vector's bytes (one or two operations), quads 6 and 7 take
+// bits 6-7 of the first or second vector and bit 6 or 7 of the third (five).
+inline VI vcodes3(const VI v[3], int j) {
+  if (j < 6) return vmask_bytes(j % 2 ? vshift_right16(v[j / 2], 3) : v[j / 2], 0x07);
+  const VI low = vmask_bytes(vshift_right16(v[j - 6], 6), 0x03);
+  return vor_int(low, vmask_bytes(vshift_right16(v[2], j - 2), 0x04));
+}
 
 constexpr int kParts = 16 / kLanes;  // registers per 16 floats
 // Rows of activations the matmul takes against one unpacked block of codes: its accumulators and the 8 code
