@@ -96,7 +96,8 @@ def searched_groups(block: torch.Tensor, bits: int, group_size: int = 32,
     groups = block.detach().float().reshape(rows, in_features // group_size, group_size)  # [n, G, g]
     top = 2**bits - 1
     low, high = groups.amin(-1), groups.amax(-1)  # [n, G] each
-    best: tuple[torch.Tensor, ...] | None = None
+    best_codes = torch.zeros_like(groups)  # [n, G, g]
+    best_scales, best_starts = torch.zeros_like(low), torch.zeros_like(low)  # [n, G] each
     best_error = torch.full_like(low, float("inf"))  # [n, G]
     for shrink in CLIP_SHRINKS if search else (1.0,):
         for shift in CLIP_SHIFTS if search else (0.0,):
@@ -106,13 +107,10 @@ def searched_groups(block: torch.Tensor, bits: int, group_size: int = 32,
             codes = torch.round((groups - start[..., None]) / scale[..., None]).clamp(0, top)  # [n, G, g]
             error = ((codes * scale[..., None] + start[..., None] - groups) ** 2).sum(-1)  # [n, G]
             better = error < best_error  # [n, G]
-            candidate = (codes, scale, start)
-            best = candidate if best is None else tuple(
-                torch.where(better[..., None] if new.dim() == 3 else better, new, old)
-                for new, old in zip(candidate, best))
+            best_codes = torch.where(better[..., None], codes, best_codes)
+            best_scales, best_starts = torch.where(better, scale, best_scales), torch.where(better, start, best_starts)
             best_error = torch.minimum(error, best_error)
-    codes, scales, offsets = best
-    return codes.to(torch.int32).reshape(rows, in_features), scales, offsets
+    return best_codes.to(torch.int32).reshape(rows, in_features), best_scales, best_starts
 
 
 class Int8Linear(nn.Module):
