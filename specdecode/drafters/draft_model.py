@@ -1,6 +1,11 @@
 """A smaller model with the same vocabulary drafts autoregressively; its own cache follows the accepted tokens.
 
-Chains by default; with `draft_tree_nodes` it proposes an EAGLE-2 dynamic tree instead: each depth expands the
+Chains by default. Each chain forward also reads the tokens prompt lookup guesses come next (`draft_lookup`): where
+the draft's own next tokens are those guesses, their rows are already computed, so one forward drafts several
+tokens (staged speculation, Spector and Re 2023). The drafts are the same as without: a guess only decides which
+rows a forward computes, never which token is drawn.
+
+With `draft_tree_nodes` it proposes an EAGLE-2 dynamic tree instead: each depth expands the
 `draft_tree_width` best nodes so far (by cumulative draft log-probability) into their top children, in one
 draft forward per depth, and the best `draft_tree_nodes` nodes of all depths are verified together.
 """
@@ -16,6 +21,7 @@ from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
+from specdecode.drafters.ngram import find_continuations
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant
@@ -28,6 +34,14 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 
 log = logging.getLogger(__name__)
 
+# The suffix lengths prompt lookup matches for draft_lookup's guesses.
+LOOKUP_MIN, LOOKUP_MAX = 1, 4
+# A catch-up reading more tokens than this (a prompt) reads no guesses: it comes once a request, and a recurrent
+# draft model keeps no states inside a long read to roll back to (gated_deltanet.py's chunked form).
+CATCH_UP_GUESSING = 16
+# Guesses a forward read, each with the draft's next-token logits after it [V].
+Guessed = list[tuple[int, torch.Tensor]]
+
 
 @dataclass(frozen=True)
 class DraftModelOptions(NoOptions):
@@ -37,6 +51,9 @@ class DraftModelOptions(NoOptions):
                                    ge=0, le=MAX_DRAFT_TOKENS)
     draft_tree_width: int = option(4, "in tree mode: nodes expanded per depth, and children per expanded node",
                                    ge=1, le=16)
+    draft_lookup: int = option(3, "in each chain forward, also read up to N tokens prompt lookup guesses come "
+                               "next, so a forward drafts several tokens where the draft agrees with them; the drafts "
+                               "do not change (0 = one token per forward)", ge=0, le=MAX_DRAFT_TOKENS)
     draft_vocab: int = option(0, "draft over the N most frequent tokens only (those the target was counted "
                               "emitting most by `specdecode train vocab`, else the lowest ids of a byte-level BPE "
                               "vocabulary) and the end-of-turn tokens, through an output head cut to those rows "
@@ -117,8 +134,9 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         cache = seq.drafter_state[self.name]
-        logits = self._catch_up(seq, cache)  # [V]
-        return self._tree(seq, cache, logits, budget) if self.tree else self._chain(seq, cache, logits, budget)
+        if self.tree:
+            return self._tree(seq, cache, self._catch_up(seq, cache), budget)
+        return self._chains([seq], [cache], [budget])[0]
 
     def request_bytes(self, seq: Sequence) -> int:
         cache = seq.drafter_state.get(self.name)
@@ -133,9 +151,6 @@ class DraftModelDrafter(Drafter):
         cache = seq.drafter_state[self.name]
         cache.truncate(min(cache.lengths[0], len(seq.tokens) - 1))
 
-    def _chain(self, seq: Sequence, cache: KVCache, logits: torch.Tensor, budget: int) -> DraftProposal:
-        return self._chains([seq], [cache], [logits], [budget])[0]
-
     def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Chains for several requests in shared forwards (one catch-up, then one per drafted position), when
         the draft model is batch-invariant (w4a8), so each chain is what `propose` drafts alone; else one by one."""
@@ -143,21 +158,27 @@ class DraftModelDrafter(Drafter):
             return super().propose_many(seqs, budgets)
 
         def chains(asked: list[Sequence], asked_budgets: list[int]) -> list[DraftProposal]:
-            caches = [seq.drafter_state[self.name] for seq in asked]
-            return self._chains(asked, caches, self._catch_up_many(asked, caches), asked_budgets)
+            return self._chains(asked, [seq.drafter_state[self.name] for seq in asked], asked_budgets)
 
         return self.proposals_for_asked(seqs, budgets, chains)
 
-    def _chains(self, seqs: list[Sequence], caches: list[KVCache], logits: list[torch.Tensor],
-                budgets: list[int]) -> list[DraftProposal]:
-        """Autoregressive chains from each sequence's next-token logits [V]; the sequences still drafting share
-        each draft forward."""
-        model, p_min = self.draft.model, self.options.draft_p_min
+    def _chains(self, seqs: list[Sequence], caches: list[KVCache], budgets: list[int]) -> list[DraftProposal]:
+        """Autoregressive chains after each sequence's catch-up; the sequences still drafting share each draft
+        forward."""
+        p_min = self.options.draft_p_min
         tokens: list[list[int]] = [[] for _ in seqs]
         rows: list[list[torch.Tensor]] = [[] for _ in seqs]  # the laws sampled drafts were drawn from, [V] each
-        drafting = list(range(len(seqs)))
-        for i in range(max(budgets, default=0)):
-            fed = []
+        # Per sequence: the next-token logits [V], and the guesses its last forward read after them, each with the
+        # draft's logits after it [V], valid while the drawn tokens follow the guesses.
+        guesses = [lookup_guess(seq.tokens, min(self.options.draft_lookup, budget - 1))
+                   if len(seq.tokens) - cache.lengths[0] <= CATCH_UP_GUESSING else []
+                   for seq, cache, budget in zip(seqs, caches, budgets)]
+        caught_up = self._catch_up_many(seqs, caches, guesses)
+        logits = [row for row, _ in caught_up]
+        ahead: list[Guessed] = [guessed for _, guessed in caught_up]
+        drafting = [b for b, budget in enumerate(budgets) if budget > 0]
+        while drafting:
+            fed, read_ahead = [], []
             for b in drafting:
                 token, q, confidence = self._draw(seqs[b], logits[b], bool(p_min))
                 # llama.cpp's --draft-p-min: an unsure draft is likely rejected, so stop spending time on it.
@@ -166,19 +187,52 @@ class DraftModelDrafter(Drafter):
                 tokens[b].append(token)
                 if q is not None:
                     rows[b].append(q)
-                if i + 1 < budgets[b]:
+                if len(tokens[b]) >= budgets[b]:
+                    continue
+                if ahead[b] and ahead[b][0][0] == token:  # the last forward read this token already
+                    logits[b] = ahead[b].pop(0)[1]
+                    read_ahead.append(b)
+                else:
                     fed.append(b)
-            if not fed:
-                break
-            step = torch.tensor([[tokens[b][-1]] for b in fed], device=model.device)  # [F, 1]
-            positions = torch.tensor([[len(seqs[b].tokens) + i] for b in fed], device=model.device)  # [F, 1]
-            cache = caches[fed[0]] if len(fed) == 1 else CacheBatch([caches[b] for b in fed])
-            out = self._to_target_vocab(model(step, positions, cache, head=self.head).logits[:, -1])  # [F, V]
-            for row, b in enumerate(fed):
-                logits[b] = out[row]
-            drafting = fed
+            if fed:
+                for b, (row, guessed) in zip(fed, self._forward_drafts(seqs, caches, tokens, budgets, fed)):
+                    logits[b], ahead[b] = row, guessed
+            drafting = read_ahead + fed
+        for seq, cache, drafted in zip(seqs, caches, tokens):
+            # Drop the rows of guesses past the chain's newest fed draft; commit keeps those of the accepted drafts.
+            cache.truncate(min(cache.lengths[0], len(seq.tokens) + max(len(drafted) - 1, 0)))
         # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
         return [DraftProposal.chain(t, torch.stack(r) if r else None, self.name) for t, r in zip(tokens, rows)]
+
+    def _forward_drafts(self, seqs: list[Sequence], caches: list[KVCache], tokens: list[list[int]],
+                        budgets: list[int], fed: list[int]) -> list[tuple[torch.Tensor, Guessed]]:
+        """One draft forward over each fed sequence's newest draft and the tokens prompt lookup guesses follow it
+        (no more than its budget could still draft); -> per fed sequence, (the next-token logits [V], each guess
+        with the logits after it [V]).
+
+        Sequences with fewer guesses are padded to the longest; the padding's rows are dropped after. In a batch
+        each sequence gets as many guesses as the one with the least budget left may read."""
+        model = self.draft.model
+        # A padded row takes a cache slot too: no sequence's rows may pass what its budget could still draft.
+        room = min(min(self.options.draft_lookup, budgets[b] - len(tokens[b]) - 1) for b in fed)
+        guesses = [lookup_guess(seqs[b].tokens + tokens[b], room) for b in fed]
+        width = 1 + max(len(guessed) for guessed in guesses)
+        inputs = torch.zeros(len(fed), width, dtype=torch.long)  # [F, W]: the newest draft, its guesses, padding
+        positions = torch.empty(len(fed), width, dtype=torch.long)  # [F, W]
+        for row, (b, guessed) in enumerate(zip(fed, guesses)):
+            # Drop rows of guesses an earlier forward read and the draws did not follow.
+            start = len(seqs[b].tokens) + len(tokens[b]) - 1
+            caches[b].truncate(start)
+            inputs[row, : 1 + len(guessed)] = torch.tensor(tokens[b][-1:] + guessed)
+            positions[row] = torch.arange(start, start + width).clamp(max=start + len(guessed))
+        cache = caches[fed[0]] if len(fed) == 1 else CacheBatch([caches[b] for b in fed])
+        out = self._to_target_vocab(model(inputs.to(model.device), positions.to(model.device), cache,
+                                          head=self.head).logits)  # [F, W, V]
+        results = []
+        for row, (b, guessed) in enumerate(zip(fed, guesses)):
+            caches[b].truncate(len(seqs[b].tokens) + len(tokens[b]) + len(guessed))
+            results.append((out[row, 0], [(guess, out[row, 1 + i]) for i, guess in enumerate(guessed)]))
+        return results
 
     @staticmethod
     def _draw(seq: Sequence, logits: torch.Tensor, confidence: bool) -> tuple[int, torch.Tensor | None, float | None]:
@@ -217,28 +271,33 @@ class DraftModelDrafter(Drafter):
         """
         return self._to_target_vocab(self._feed(seq, cache, slice(-1, None), len(seq.tokens))[0, -1])
 
-    def _catch_up_many(self, seqs: list[Sequence], caches: list[KVCache]) -> list[torch.Tensor]:
-        """`_catch_up` for several sequences in as few forwards as their caches' room allows; each one's pending
-        tokens padded to the longest (the padding's slots are dropped after)."""
+    def _catch_up_many(self, seqs: list[Sequence], caches: list[KVCache], guesses: list[list[int]]
+                       ) -> list[tuple[torch.Tensor, Guessed]]:
+        """`_catch_up` for several sequences in as few forwards as their caches' room allows, each also reading
+        the tokens `guesses` says follow its last; -> per sequence, (its next-token logits [V], each guess with the
+        logits after it [V]). Each one's rows are padded to the longest (the padding's slots are dropped after)."""
         model = self.draft.model
         seen = [cache.lengths[0] for cache in caches]
-        pending = [len(seq.tokens) - start for seq, start in zip(seqs, seen)]
-        logits: list[torch.Tensor | None] = [None] * len(seqs)
-        for group in forward_groups(seen, pending, [cache.capacity for cache in caches]):
-            longest = max(pending[b] for b in group)
+        fed = [seq.tokens[start:] + guessed for seq, start, guessed in zip(seqs, seen, guesses)]
+        results: list = [None] * len(seqs)
+        for group in forward_groups(seen, [len(rows) for rows in fed], [cache.capacity for cache in caches]):
+            longest = max(len(fed[b]) for b in group)
             tokens = torch.zeros(len(group), longest, dtype=torch.long)  # [G, P]
             positions = torch.empty(len(group), longest, dtype=torch.long)  # [G, P]
+            read = torch.empty(len(group), 1 + max(len(guesses[b]) for b in group), dtype=torch.long)  # [G, R]
             for row, b in enumerate(group):
-                tokens[row, : pending[b]] = torch.tensor(seqs[b].tokens[seen[b] :])
-                positions[row] = torch.arange(seen[b], seen[b] + longest).clamp(max=len(seqs[b].tokens) - 1)
-            last = torch.tensor([[pending[b] - 1] for b in group])  # [G, 1] each sequence's last real row
+                tokens[row, : len(fed[b])] = torch.tensor(fed[b])
+                positions[row] = torch.arange(seen[b], seen[b] + longest).clamp(max=seen[b] + len(fed[b]) - 1)
+                # The last committed token's row, then each guess's (padding repeats the last real row).
+                last = len(fed[b]) - 1 - len(guesses[b])
+                read[row] = torch.arange(last, last + read.shape[1]).clamp(max=len(fed[b]) - 1)
             cache = caches[group[0]] if len(group) == 1 else CacheBatch([caches[b] for b in group])
-            out = model(tokens.to(model.device), positions.to(model.device), cache,
-                        logits_at=last.to(model.device), head=self.head).logits[:, 0]  # [G, V_draft]
+            out = self._to_target_vocab(model(tokens.to(model.device), positions.to(model.device), cache,
+                                              logits_at=read.to(model.device), head=self.head).logits)  # [G, R, V]
             for row, b in enumerate(group):
-                caches[b].truncate(len(seqs[b].tokens))
-                logits[b] = self._to_target_vocab(out[row])
-        return logits
+                caches[b].truncate(len(seqs[b].tokens) + len(guesses[b]))
+                results[b] = (out[row, 0], [(guess, out[row, 1 + i]) for i, guess in enumerate(guesses[b])])
+        return results
 
     def _feed(self, seq: Sequence, cache: KVCache, logits_at: slice, upto: int) -> torch.Tensor:
         model, seen = self.draft.model, cache.lengths[0]
@@ -258,6 +317,13 @@ class DraftModelDrafter(Drafter):
         if size >= self.target_vocab:
             return logits[..., : self.target_vocab]
         return torch.nn.functional.pad(logits, (0, self.target_vocab - size), value=float("-inf"))
+
+
+def lookup_guess(context: list[int], count: int) -> list[int]:
+    """Up to `count` tokens prompt lookup guesses follow `context` (the continuation of the most recent earlier
+    occurrence of its longest recurring suffix), or [] when no suffix recurs."""
+    found = find_continuations(context, count, LOOKUP_MIN, LOOKUP_MAX) if count > 0 else []
+    return found[0] if found else []
 
 
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
