@@ -135,7 +135,7 @@ class DraftModelDrafter(Drafter):
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         cache = seq.drafter_state[self.name]
         if self.tree:
-            return self._tree(seq, cache, self._catch_up(seq, cache), budget)
+            return self._tree(seq, cache, self._catch_up_many([seq], [cache], [[]])[0][0], budget)
         return self._chains([seq], [cache], [budget])[0]
 
     def request_bytes(self, seq: Sequence) -> int:
@@ -263,19 +263,13 @@ class DraftModelDrafter(Drafter):
         tokens, parents = tree.select(self.options.draft_tree_nodes)
         return DraftProposal(torch.tensor(tokens), torch.tensor(parents), None, self.name)
 
-    def _catch_up(self, seq: Sequence, cache: KVCache) -> torch.Tensor:
-        """Feed every committed token not yet in the draft cache in one forward; -> next-token logits [V].
-
-        That is the target's corrected or bonus token, the accepted path of a tree, or a stretch that another
-        drafter of a chain won.
-        """
-        return self._to_target_vocab(self._feed(seq, cache, slice(-1, None), len(seq.tokens))[0, -1])
-
     def _catch_up_many(self, seqs: list[Sequence], caches: list[KVCache], guesses: list[list[int]]
                        ) -> list[tuple[torch.Tensor, Guessed]]:
-        """`_catch_up` for several sequences in as few forwards as their caches' room allows, each also reading
-        the tokens `guesses` says follow its last; -> per sequence, (its next-token logits [V], each guess with the
-        logits after it [V]). Each one's rows are padded to the longest (the padding's slots are dropped after)."""
+        """Feed every committed token not yet in each draft cache (the target's corrected or bonus token, the
+        accepted path of a tree, or a stretch another drafter of a chain won), for several sequences in as few
+        forwards as their caches' room allows, each also reading the tokens `guesses` says follow its last;
+        -> per sequence, (its next-token logits [V], each guess with the logits after it [V]). Each one's rows
+        are padded to the longest (the padding's slots are dropped after)."""
         model = self.draft.model
         seen = [cache.lengths[0] for cache in caches]
         fed = [seq.tokens[start:] + guessed for seq, start, guessed in zip(seqs, seen, guesses)]
