@@ -2,14 +2,14 @@
 prompt lookup's guesses: acceptance against cost.
 
     python docs/benchmarks/draft_variants.py [--quants w4a8,w3a8] [--skip 0,2,4,8] [--vocab 0,48000]
-        [--lookups 0,3] [--guard] [--limit 10] [--max-tokens 128] --out DIR
+        [--lookups 0,3] [--guards off,on] [--limit 10] [--max-tokens 128] --out DIR
 
 Default pair, w4a8 target, greedy, natural ends (the chat template's end of turn): the first turn of 10 HumanEval
 prompts and of MT-bench's first question per category (../shared/data). A variant is the draft model loaded in one
 precision (--draft-quant's choices), running its first L - N layers, then its own final norm and output head, over
-its whole vocabulary or draft_vocab's reduced head, each forward reading draft_lookup guesses; the target verifies
-as always, so the output cannot change (checked against plain decoding here). The speed guard is off unless
---guard, so that every step drafts. Measured in one run, in turns prompt by prompt: decoding tokens/s against
+its whole vocabulary or draft_vocab's reduced head, each forward reading draft_lookup guesses, with the speed guard
+off (every step drafts) or on (as by default); the target verifies as always, so the output cannot change (checked
+against plain decoding here). Measured in one run, in turns prompt by prompt: decoding tokens/s against
 plain decoding's, acceptance (and by draft position), the drafter's seconds per drafted token as a share of a
 plain step, and drafted tokens per draft forward (catch-ups counted as forwards).
 """
@@ -68,7 +68,8 @@ def main() -> int:
     parser.add_argument("--skip", default="0", help="layers to skip, comma-separated")
     parser.add_argument("--vocab", default="0", help="draft_vocab sizes, comma-separated (0: the whole head)")
     parser.add_argument("--lookups", default="3", help="draft_lookup values, comma-separated (0: off)")
-    parser.add_argument("--guard", action="store_true", help="the speed guard on, as by default")
+    parser.add_argument("--guards", default="off", help="the speed guard, comma-separated: off (every step drafts), "
+                        "on (as by default)")
     parser.add_argument("--limit", type=int, default=10, help="HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, required=True)
@@ -80,11 +81,12 @@ def main() -> int:
         draft.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     questions = load_questions([HUMANEVAL], limit=args.limit) + load_questions([MT_BENCH], per_category=1)
     prompts = [target.tokenizer.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
-    # (precision, layers skipped, draft_vocab, draft_lookup) -> its engine and the spec it drafts with
-    variants = {(quant, int(skip), int(vocab), int(lookup)): (Engine(target, shallower(draft, int(skip))), SpecConfig(
-        "draft", guard=args.guard, options={"draft_vocab": int(vocab), "draft_lookup": int(lookup)}))
-        for quant, draft in drafts.items() for skip in args.skip.split(",") for vocab in args.vocab.split(",")
-        for lookup in args.lookups.split(",")}
+    # (precision, layers skipped, draft_vocab, draft_lookup, guard) -> its engine and the spec it drafts with
+    variants = {(quant, int(skip), int(vocab), int(lookup), guard): (Engine(target, shallower(draft, int(skip))),
+                SpecConfig("draft", guard=guard == "on",
+                           options={"draft_vocab": int(vocab), "draft_lookup": int(lookup)}))
+                for quant, draft in drafts.items() for skip in args.skip.split(",") for vocab in args.vocab.split(",")
+                for lookup in args.lookups.split(",") for guard in args.guards.split(",")}
     plain_engine = next(iter(variants.values()))[0]
     runs = {variant: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0,
                       "identical": 0, "drafted_per_position": [], "accepted_per_position": [], "draft_forwards": 0}
@@ -114,23 +116,24 @@ def main() -> int:
     step = statistics.median(step_costs)
     layers = len(next(iter(drafts.values())).model.layers)
     lines = [(f"# The draft model's variants: {DEFAULT_DRAFT} ({layers} layers) for {DEFAULT_TARGET} (w4a8), "
-             f"{len(prompts)} prompts, {args.max_tokens} tokens at most, greedy, the guard "
-             f"{'on' if args.guard else 'off'}"), "", f"plain decoding: {plain_speed:.1f} tokens/s", "",
-             ("| draft | layers run | head rows | lookup guesses | tokens/s | x plain | acceptance | by position | "
-              "drafter time per drafted token / plain step | drafted tokens per draft forward | identical |"),
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for (quant, skip, vocab, lookup), run in runs.items():
+             f"{len(prompts)} prompts, {args.max_tokens} tokens at most, greedy"), "",
+             f"plain decoding: {plain_speed:.1f} tokens/s", "",
+             ("| draft | layers run | head rows | lookup guesses | speed guard | tokens/s | x plain | acceptance | "
+              "by position | drafter time per drafted token / plain step | drafted tokens per draft forward | "
+              "identical |"),
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    for (quant, skip, vocab, lookup, guard), run in runs.items():
         speed = run["tokens"] / run["seconds"]
         cost = run["draft_seconds"] / max(1, run["drafted"]) / step
         by_position = " / ".join(f"{accepted / drafted:.2f}" for accepted, drafted
                                  in zip(run["accepted_per_position"], run["drafted_per_position"]) if drafted)
-        lines.append(f"| {quant} | {layers - skip} | {vocab or 'all'} | {lookup} | {speed:.1f} | "
+        lines.append(f"| {quant} | {layers - skip} | {vocab or 'all'} | {lookup} | {guard} | {speed:.1f} | "
                      f"{speed / plain_speed:.2f} | {run['accepted'] / max(1, run['drafted']):.1%} | {by_position} | "
                      f"{cost:.2f} | {run['drafted'] / max(1, run['draft_forwards']):.2f} | "
                      f"{run['identical']}/{len(prompts)} |")
-    data = {"plain": plain, "layers": layers, "guard": args.guard,
-            "runs": {f"{quant} skip {skip} vocab {vocab} lookup {lookup}": run
-                     for (quant, skip, vocab, lookup), run in runs.items()}}
+    data = {"plain": plain, "layers": layers,
+            "runs": {f"{quant} skip {skip} vocab {vocab} lookup {lookup} guard {guard}": run
+                     for (quant, skip, vocab, lookup, guard), run in runs.items()}}
     write_report(args.out, "draft_variants", data, lines)
     return 0
 
