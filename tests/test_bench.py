@@ -260,3 +260,29 @@ def test_methods_fix_or_adapt_the_draft_length_each():
     assert parse_methods("ngram:adaptive=on", fixed)[1].spec.adaptive
     with pytest.raises(SpecDecodeError, match="adaptive=on\\|off"):
         parse_methods("ngram:adaptive=maybe", fixed)
+
+
+def test_weights_a_drafter_loads_itself_load_in_the_warm_up_not_in_a_measured_question(tiny_pair, monkeypatch):
+    """Every runner has its own Engine, but a drafter's own weights (here the draft model's reduced head) are
+    shared: the warm-up loads them once, and the measured runner's first question finds them loaded."""
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.runner import run_question
+    from specdecode.bench.suite import parse_methods, runner_factories
+    from specdecode.config import SamplingParams
+    from specdecode.drafters import draft_model
+    from specdecode.engine.engine import Engine
+    from specdecode.models.loader import load_model
+
+    loads = []
+    real = draft_model.reduced_head
+    monkeypatch.setattr(draft_model, "reduced_head", lambda *args: loads.append(args) or real(*args))
+    engine = Engine(load_model(tiny_pair[0], dtype="float32"), load_model(tiny_pair[1], dtype="float32"))
+    methods = parse_methods("draft:draft_vocab=64", SpecConfig("none"))
+    factory = runner_factories(engine, methods, [])["draft:draft_vocab=64"]
+    question = Question("q", "x", ("hello hello",))
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    run_question(question, factory(sampling))  # the warm-up's runner
+    assert len(loads) == 1
+    measured = run_question(question, factory(sampling))
+    assert len(loads) == 1
+    assert measured.stats.drafted_tokens > 0  # it drafted, through the head the warm-up loaded

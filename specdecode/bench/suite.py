@@ -103,10 +103,14 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
 
     Each runner of ours gets its own Engine over the same loaded models: a drafter cache that outlives a request
     (suffix's responses) then holds only that method's own earlier answers, not another method's answer to the
-    question being measured, nor the warm-up's."""
+    question being measured, nor the warm-up's. The weights drafters load themselves (MTP layers, an EAGLE-3
+    head, a reduced draft head) are read-only and shared by every runner's Engine: the warm-up loads them, so the
+    first measured question does not pay their load (about 11 s for a trained MTP companion file)."""
     def fresh(reference: Engine) -> Engine:
-        return Engine(reference.target, reference.draft, reference.spec, context_limit=reference.context_limit,
-                      draft_path=reference.resources.draft_path, draft_quant=reference.resources.draft_quant)
+        engine = Engine(reference.target, reference.draft, SpecConfig("none"), context_limit=reference.context_limit,
+                        draft_path=reference.resources.draft_path, draft_quant=reference.resources.draft_quant)
+        engine.resources.own_weights = reference.resources.own_weights
+        return engine
 
     factories: dict[str, RunnerFactory] = {
         m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}
