@@ -44,7 +44,8 @@ def add_parser(commands) -> None:
                        "the target as you will run it")
     train.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
     train.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
-                       "with the defaults below, about an hour on 2 CPU cores for a 1.5B target)")
+                       "with the defaults below, 1 to 1.5 hours on 2 CPU cores for a 1.5B target, measured; fewer "
+                       "tokens shorten it)")
     train.add_argument("--held-out-tokens", type=int, default=6_000,
                        help="held-out tokens of each kind: answers, chat (when --chat-share asks for it) and code "
                        "(default 6000)")
