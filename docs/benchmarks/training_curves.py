@@ -3,7 +3,8 @@ and minutes, on each kind of training text, for each training-data choice.
 
 Run from the repository root:
     python docs/benchmarks/training_curves.py [--kinds mtp,eagle3] [--data code,answer,chat,answer+chat]
-        [--tokens 40000] [--lrs 3e-4] [--epochs 2] [--bench BENCH_OUT/results.json --bench-datasets A.jsonl,B.jsonl]
+        [--tokens 40000] [--lrs 3e-4] [--epochs 2] [--draft-vocabs 16000]
+        [--bench BENCH_OUT/results.json --bench-datasets A.jsonl,B.jsonl]
 
 The target's features are extracted once into --features (every kind of text `specdecode train` makes: the
 standard library's source, teacher-forced; the target's own answers to prompts made from it; its answers to
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40_000, help="training tokens per run")
     parser.add_argument("--lrs", default="3e-4", help="peak learning rates to try, each a run")
     parser.add_argument("--epochs", default="2", help="passes over the training tokens to try, each a run")
+    parser.add_argument("--draft-vocabs", default="16000", help="draft vocabulary sizes to try, each a run")
     parser.add_argument("--features", default=str(trained_folder("features-curves", None)))
     parser.add_argument("--out", default="docs/benchmarks/2026-12-05-training-curves")
     parser.add_argument("--plot-only", action="store_true", help="redraw OUT/curves.png from the runs in OUT")
@@ -142,14 +144,16 @@ def main() -> None:
     if args.bench:
         shutil.rmtree(bench_folder, ignore_errors=True)
         write_bench_shards(target, args.bench, args.bench_datasets.split(","), layer_ids, bench_folder)
-    runs = [(kind, data, float(lr), int(epochs)) for kind in args.kinds.split(",") for data in args.data.split(",")
-            for lr in args.lrs.split(",") for epochs in args.epochs.split(",")]
-    for kind, data, lr, epochs in runs:
+    runs = [(kind, data, float(lr), int(epochs), int(vocab)) for kind in args.kinds.split(",")
+            for data in args.data.split(",") for lr in args.lrs.split(",") for epochs in args.epochs.split(",")
+            for vocab in args.draft_vocabs.split(",")]
+    for kind, data, lr, epochs, vocab in runs:
         folder = features.parent / f"{features.name}-{data}"
         trained_tokens = subset(features, folder, data, args.tokens)
-        settings = TrainSettings(draft_vocab=16000, modules=1, eval_every=25, lr=lr, epochs=epochs,
+        settings = TrainSettings(draft_vocab=vocab, modules=1, eval_every=25, lr=lr, epochs=epochs,
                                  intermediate_size=None if kind == "mtp" else target.config.intermediate_size // 2)
-        name = f"{kind}-{data}" + ("" if lr == 3e-4 else f"-lr{lr:g}") + ("" if epochs == 2 else f"-epochs{epochs}")
+        name = (f"{kind}-{data}" + ("" if lr == 3e-4 else f"-lr{lr:g}") + ("" if epochs == 2 else f"-epochs{epochs}")
+                + ("" if vocab == 16000 else f"-vocab{vocab}"))
         curve_path = out / f"{name}.jsonl"
         curve_path.write_text("")
         began = time.perf_counter()
