@@ -100,7 +100,8 @@ def test_models_lists_defaults(capsys):
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "qwen2.5-coder-0.5b-instruct" in out
 
 
-def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4_and_a_draft_models_layers_w3a8(monkeypatch, capsys):
+def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4_and_a_draft_models_layers_w3a8_on_avx512(monkeypatch,
+                                                                                                   capsys):
     import argparse
 
     from specdecode.cli.options import draft_model_quant, draft_quant
@@ -111,7 +112,15 @@ def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4_and_a_draft_models_lay
 
     runs = w4a8_linear.w4a8_unavailable() is None
     assert draft_quant(flags()) == ("w4a8" if runs else "int4")
-    assert draft_model_quant(flags()) == ("w3a8" if runs else "int4")
+    layers = ("w3a8" if w4a8_linear.kernel_isa() == "avx512" else "w4a8") if runs else "int4"
+    assert draft_model_quant(flags()) == layers
+    if runs:  # where 3 bits were measured not to pay, or not measured, a draft model's layers stay at 4
+        for isa in ("avx2", "avx_vnni", "neon"):
+            monkeypatch.setattr(w4a8_linear, "kernel_isa", lambda isa=isa: isa)
+            assert draft_model_quant(flags()) == "w4a8"
+        monkeypatch.setattr(w4a8_linear, "kernel_isa", lambda: "avx512")
+        assert draft_model_quant(flags()) == "w3a8"
+        monkeypatch.undo()
     assert draft_quant(flags(group_size=64)) == draft_model_quant(flags(group_size=64)) == "int4"
     assert draft_quant(flags(device="cuda")) == draft_model_quant(flags(device="cuda")) == "none"
     assert draft_quant(flags(draft_quant="int8")) == "int8"

@@ -48,7 +48,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "greedy identity holds against the target as loaded, quantization included")
     group.add_argument("--draft-quant", default="auto",
                        help="draft weights, the draft model's and an EAGLE-3 head's: auto (on CPU w4a8 where it "
-                       "runs, with a draft model's decoder layers in w3a8; int4 where it does not; none elsewhere), "
+                       "runs, with a draft model's decoder layers in w3a8 on AVX-512; int4 where it does not; none elsewhere), "
                        "none, int8, int4, w4a8 or w3a8 (3-bit layers on the w4a8 kernel, each group's range "
                        "searched, the output head as w4a8's); a cheaper draft never changes the output")
     group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
@@ -164,12 +164,15 @@ def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
 
 def draft_model_quant(args: argparse.Namespace, quiet: bool = True) -> str:
     """The draft model's precision: --draft-quant, where 'auto' takes draft_quant's choice but runs a w4a8 draft's
-    decoder layers at 3 bits (w3a8): on the default pair its drafted token costs 0.30 of a target step against
-    0.34, and `draft` decodes at 1.46x plain decoding against 1.37x, at 96% of the acceptance (docs/benchmarks).
-    A drafter's own weights (an EAGLE-3 head, MTP layers) keep draft_quant's: heads trained here were not
-    measured at 3 bits."""
+    decoder layers at 3 bits (w3a8) on the AVX-512 kernel: on the default pair its drafted token costs 0.30 of a
+    target step against 0.34, and `draft` decodes at 1.46x plain decoding against 1.37x, at 96% of the acceptance.
+    On the AVX2 kernel 3 bits saved no drafter time (1.22x against 1.25x), and the other variants were not
+    measured, so they keep w4a8 (docs/benchmarks). A drafter's own weights (an EAGLE-3 head, MTP layers) keep
+    draft_quant's: heads trained here were not measured at 3 bits."""
+    from specdecode.models.kernels.w4a8_linear import kernel_isa
+
     quant = draft_quant(args, quiet)
-    return "w3a8" if args.draft_quant == "auto" and quant == "w4a8" else quant
+    return "w3a8" if args.draft_quant == "auto" and quant == "w4a8" and kernel_isa() == "avx512" else quant
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
