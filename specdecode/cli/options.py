@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
-    group.add_argument("--model", help=f"target: a default name, a .gguf file or a model folder (default {DEFAULT_TARGET})")
+    group.add_argument("--model",
+                       help=f"target: a default name, a .gguf file or a model folder (default {DEFAULT_TARGET})")
     group.add_argument("--draft-model", help=f"draft model for --spec-type draft (default {DEFAULT_DRAFT} "
                        "when --model is not given)")
     group.add_argument("--draft-head", help="weights of a drafter with a format of its own, e.g. an EAGLE-3 head "
@@ -48,7 +49,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "greedy identity holds against the target as loaded, quantization included")
     group.add_argument("--draft-quant", default="auto",
                        help="draft weights, the draft model's and an EAGLE-3 head's: auto (on CPU w4a8 where it "
-                       "runs, with a draft model's decoder layers in w3a8 on AVX-512; int4 where it does not; none elsewhere), "
+                       "runs, with a draft model's decoder layers in w3a8 on AVX-512; int4 where it does not; none "
+                       "elsewhere), "
                        "none, int8, int4, w4a8 or w3a8 (3-bit layers on the w4a8 kernel, each group's range "
                        "searched, the output head as w4a8's); a cheaper draft never changes the output")
     group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
