@@ -3,12 +3,22 @@ tries, probes and learns, and how a drafter's catch-up is priced."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from specdecode import SamplingParams, SpecConfig
+from specdecode.drafters.capabilities import DeferredStart
 from specdecode.engine.load_budget import CATCH_UP_TOKENS, PROBE_EVERY, BatchDraftBudget
+
+
+class Behind(DeferredStart):
+    """A drafter whose proposals are chains of the budget's length and which has `seq.behind` committed tokens
+    to read before it can propose."""
+
+    def defer_start(self, seq) -> None:
+        seq.behind = len(seq.tokens)
+
+    def pending_tokens(self, seq) -> int:
+        return seq.behind
 
 
 class Scripted:
@@ -19,7 +29,7 @@ class Scripted:
         self.spec = SpecConfig(method)
         self.sampling, self.generated = SamplingParams(max_tokens=128), 0
         self.behind = behind
-        self.drafter = SimpleNamespace(max_nodes=lambda k: k, pending_tokens=lambda seq: seq.behind)
+        self.drafter = Behind()
 
 
 def trained_budget(forward_seconds: dict[int, float], acceptance: float, seqs: list, draft_seconds: float = 0.0):

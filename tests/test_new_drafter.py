@@ -18,6 +18,7 @@ from conftest import save_tiny_model, started
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import build_parser
 from specdecode.drafters.base import Drafter, DrafterCaps, option
+from specdecode.drafters.capabilities import DeferredStart, MemorySizing
 from specdecode.drafters.registry import DRAFTERS, register
 from specdecode.models.loader import load_model
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -33,7 +34,7 @@ class EchoOptions:
         pass
 
 
-class HiddenEchoDrafter(Drafter):
+class HiddenEchoDrafter(Drafter, MemorySizing):
     """Proposes two levels of a tree from the last tokens; records every hidden state the engine hands it."""
 
     name = "test-hidden-echo"
@@ -112,3 +113,37 @@ def test_a_drafter_registered_in_one_file_gets_hidden_states_along_the_accepted_
 def test_its_options_reach_the_command_line(registered):
     args = build_parser().parse_args(["generate", "hi", "--spec-type", registered.name, "--echo-branches", "4"])
     assert args.echo_branches == 4
+
+
+def test_a_drafter_missing_a_required_method_is_refused_at_registration():
+    """The core is abstract: a class without `propose` (or a method of a capability it declares) fails when it
+    registers, naming what it lacks, instead of at its first step."""
+
+    class Silent(Drafter):
+        name = "test-silent"
+
+        @classmethod
+        def create(cls, resources, options) -> Silent:
+            return cls()
+
+    with pytest.raises(TypeError, match="propose"):
+        register(Silent)
+
+    class Forgetful(HiddenEchoDrafter, DeferredStart):
+        name = "test-forgetful"  # declares a deferred start but says nothing of how far behind it is
+
+        def defer_start(self, seq: Sequence) -> None:
+            seq.drafter_state[self.name] = {}
+
+    with pytest.raises(TypeError, match="pending_tokens"):
+        register(Forgetful)
+    assert "test-silent" not in DRAFTERS and "test-forgetful" not in DRAFTERS
+
+
+def test_the_core_has_at_most_six_required_methods():
+    """The lifecycle is the whole core: everything else is an optional capability (capabilities.py)."""
+    assert Drafter.__abstractmethods__ == {"create", "propose"}
+    core = {"create", "start", "propose", "commit", "finish", "check_resources"}
+    methods = {name for name, value in vars(Drafter).items()
+               if isinstance(value, (classmethod, staticmethod)) or callable(value) and not isinstance(value, type)}
+    assert {name for name in methods if not name.startswith("_")} == core

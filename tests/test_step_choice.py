@@ -12,6 +12,7 @@ from conftest import FakeClock, started
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterCaps
+from specdecode.drafters.capabilities import Batching, DeferredStart
 from specdecode.drafters.combination import CombinationDrafter
 from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
 from specdecode.spec_types import DraftProposal, VerifyResult
@@ -29,13 +30,17 @@ class Scripted(Drafter):
         self.caps = DrafterCaps(emits_probs=samples)
         self.asked = 0
 
+    @classmethod
+    def create(cls, resources, options):
+        raise TypeError("built by hand in these tests")
+
     def propose(self, seq, budget: int) -> DraftProposal:
         self.asked += 1
         self.clock.now += self.seconds_per_token * budget
         return DraftProposal.chain([1] * budget, source=self.name)
 
 
-class Deferred(Scripted):
+class Deferred(Scripted, DeferredStart):
     """A Scripted member that can start late: its first proposal of a request first reads the whole context at
     `start_seconds_per_token` per token (a draft model's prompt forward)."""
 
@@ -44,9 +49,8 @@ class Deferred(Scripted):
         self.start_seconds_per_token = start_seconds_per_token
         self.started = 0
 
-    def defer_start(self, seq) -> bool:
+    def defer_start(self, seq) -> None:
         seq.drafter_state[self.name] = 0  # context tokens read so far
-        return True
 
     def pending_tokens(self, seq) -> int:
         return len(seq.tokens) - seq.drafter_state[self.name]
@@ -177,7 +181,7 @@ def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_afte
         chain.commit(seq, VerifyResult([], [1], proposal.source), None)
 
 
-class Batching(Scripted):
+class Batched(Scripted, Batching):
     """A Scripted member whose forwards batch: one propose_many for all its requests, at the cost of one; it
     has nothing to propose for the requests in `empty_for` (by object)."""
 
@@ -197,8 +201,8 @@ def test_in_a_batch_the_requests_choosing_one_model_member_draft_together():
     """Each request ranks the members as alone; those whose choice is one sampling member are asked in one
     propose_many, and one it leaves without a proposal goes on to its next choice."""
     clock = FakeClock()
-    first = Batching("first", clock, 0.01, 0.9, samples=True)
-    second = Batching("second", clock, 0.02, 0.6, samples=True)
+    first = Batched("first", clock, 0.01, 0.9, samples=True)
+    second = Batched("second", clock, 0.02, 0.6, samples=True)
     chain = CombinationDrafter([first, second], "best")
     chain.clock = clock
     seqs = [SimpleNamespace(drafter_state={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64), generated=0)

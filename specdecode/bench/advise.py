@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from specdecode.bench.datasets import Question
 from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import MethodSpec
+from specdecode.drafters import capabilities
 from specdecode.bench.suite import run_all, runner_factories
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, needs_draft_model
@@ -64,7 +65,7 @@ def trial(engine: Engine, questions: list[Question], methods: list[MethodSpec],
 
 def _weights_bytes(engine: Engine, method: MethodSpec) -> int:
     models = [engine.target] + ([engine.draft] if needs_draft_model(method.spec) else [])
-    return sum(m.weights_bytes for m in models) + engine.drafter(method.spec).weights_bytes()
+    return sum(m.weights_bytes for m in models) + capabilities.weights_bytes(engine.drafter(method.spec))
 
 
 def command_line(ranked: Ranked, model_flags: list[str]) -> str:

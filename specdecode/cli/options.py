@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from specdecode.config import COMBINE_RULES, VERIFICATION_RULES, SamplingParams, SpecConfig
+from specdecode.drafters import capabilities
 from specdecode.drafters.registry import (
     DRAFTERS,
     all_options,
@@ -212,7 +213,7 @@ def build_engine(args: argparse.Namespace, specs: list[SpecConfig], quiet: bool 
 
     wants_model = load_draft_anyway or any(needs_draft_model(spec) for spec in specs)
     draft_name, draft_path = draft_sources(args, wants_model, any(needs_draft_files(spec) for spec in specs))
-    if any(DRAFTERS[method].finds_sources for spec in specs for method in spec.methods):
+    if any(capabilities.finds_sources(DRAFTERS[method]) for spec in specs for method in spec.methods):
         found = find_sources(args.model, args.draft_model, args.draft_head)
         draft_name = draft_name or found.draft_model
         draft_path = found.draft_paths or draft_path

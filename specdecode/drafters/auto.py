@@ -7,7 +7,8 @@ drafters/step_choice.py) and the speed guard settle which member drafts each ste
 the output, only the speed.
 
 One rule, in two halves, each declared by the drafters themselves, so a new drafter kind becomes a candidate by
-declaring `auto_rank` and, where the default does not fit, `found_for` on its class:
+declaring the `AutoMember` capability (capabilities.py): its `auto_rank` and, where the default does not fit,
+`found_for`:
 - before any weights load, `find_sources` names what to load for it: the draft model given, else an installed
   default model with the target's vocabulary and at most half its weights (models/pairing.py); for each drafter
   that reads weights of its own, the folder given (--draft-head METHOD=PATH; one bare path is an EAGLE-3 head),
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdecode.drafters.base import Drafter, DrafterResources
+from specdecode.drafters.capabilities import AutoMember, StandsForOthers
 from specdecode.drafters.registry import DRAFTERS, drafter_paths, register
 from specdecode.models.formats.drafter_folder import holds_weights, trained_folder
 
@@ -54,7 +56,7 @@ def find_sources(target: str | None, draft_model: str | None, draft_head: str | 
 
 
 @register
-class AutoDrafter(Drafter):
+class AutoDrafter(Drafter, StandsForOthers):
     """A registered combination: it stands for the members found for the target (`stands_for`), so it never
     drafts itself; the engine runs those members with per-step choice."""
 
@@ -90,6 +92,10 @@ class AutoDrafter(Drafter):
     def create(cls, resources: DrafterResources, options) -> Drafter:
         raise TypeError("'auto' stands for other drafters: Engine.check_spec replaces it with its members")
 
+    def propose(self, seq, budget: int):
+        raise TypeError("'auto' stands for other drafters: Engine.check_spec replaces it with its members")
 
-def _candidates() -> list[type[Drafter]]:
-    return sorted((cls for cls in DRAFTERS.values() if cls.auto_rank is not None), key=lambda cls: cls.auto_rank)
+
+def _candidates() -> list[type[AutoMember]]:
+    members = (cls for cls in DRAFTERS.values() if issubclass(cls, AutoMember))
+    return sorted(members, key=lambda cls: cls.auto_rank)

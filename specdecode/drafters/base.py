@@ -6,14 +6,16 @@ verification, `commit` with the target's output gathered along the accepted path
 A drafter keeps per-request state in `seq.drafter_state[self.name]`, never on itself, so one drafter serves
 every request of an Engine, interleaved or not.
 
-Capabilities are data the engine reads instead of asking which method it runs: which target hidden states a
-drafter reads (boundary ids, DESIGN.md), whether it reads the final hidden state, whether it emits draft
-probabilities or trees, whether its proposals have a fixed block size, whether it needs a draft model.
+What a drafter needs is data the engine reads instead of asking which method it runs (`DrafterCaps`): which
+target hidden states it reads (boundary ids, DESIGN.md), whether it reads the final hidden state, whether it emits
+draft probabilities or trees, whether its proposals have a fixed block size, whether it needs a draft model. What
+it can do beyond the core (batched proposals, memory sizing, a deferred start, `auto`'s declarations) are
+optional capabilities a class declares by inheriting them (capabilities.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,7 +25,6 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 if TYPE_CHECKING:
     import torch
 
-    from specdecode.models.decoder.kv_cache import KVCache
     from specdecode.models.loader import LoadedModel
 
 
@@ -37,7 +38,6 @@ class DrafterCaps:
     needs_draft_model: bool = False  # callers must load a draft model for it
     draft_files: bool = False  # it reads its own weights from --draft-head PATH (an EAGLE-3 head), not a model
     drafts: bool = True  # False for plain decoding: no steps to guard or explain (speed_guard.py)
-    reads_verify_rows: bool = False  # wants every row of each verify forward, rejected ones too (`observe`)
 
 
 @dataclass
@@ -96,7 +96,12 @@ class NoOptions:
         """Raise SpecDecodeError on values that make no sense together (single values are typed)."""
 
 
-class Drafter:
+class Drafter(ABC):
+    """The core every drafter implements: how it is built once per Engine (`create`, required), what it proposes
+    each step (`propose`, required), and the request's lifecycle around it (`start`, `commit`, `finish`, which do
+    nothing unless a drafter keeps state per request). Anything more is an optional capability
+    (capabilities.py). The registry refuses a class that leaves a required method out (registry.register)."""
+
     name: ClassVar[str]
     caps: DrafterCaps = DrafterCaps()  # a class default; an instance may refine it from its weights in create()
     Options: ClassVar[type] = NoOptions
@@ -104,12 +109,27 @@ class Drafter:
     vllm_method: ClassVar[str | None] = None  # vLLM's speculative_config "method" for it
     tree_options: ClassVar[dict[str, Any]] = {}  # options that make it propose trees (when caps.emits_trees)
     weights_kind: ClassVar[str] = "weights of its own"  # what --draft-head names for it, when caps.draft_files
-    auto_rank: ClassVar[int | None] = None  # where `auto` tries it among the drafters found (lower first); None: never
-    finds_sources: ClassVar[bool] = False  # it decides what to load before models load (auto.find_sources)
 
     @classmethod
+    @abstractmethod
     def create(cls, resources: DrafterResources, options: Any) -> Drafter:
-        return cls()
+        """The drafter for these resources and options, once per Engine: weights and cross-request caches."""
+
+    @abstractmethod
+    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
+        """At most `budget` tokens on any root-to-leaf path (the context and token budget allow no more)."""
+
+    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
+        """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
+        covers the prompt's rows (hidden states at every row, logits at the last)."""
+
+    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
+        """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted
+        path (the root, then each accepted node). `result.source` says whose proposal was verified."""
+
+    def finish(self, seq: Sequence) -> None:
+        """The request ended: drop its state."""
+        seq.drafter_state.pop(self.name, None)
 
     @classmethod
     def check_resources(cls, resources: DrafterResources) -> None:
@@ -120,97 +140,3 @@ class Drafter:
         if cls.caps.draft_files and resources.path_for(cls.name) is None:
             raise SpecDecodeError(f"method '{cls.name}' needs {cls.weights_kind}: --draft-model PATH (a folder with "
                                   "config.json and safetensors weights), or --draft-head PATH beside a draft model")
-
-    def start(self, seq: Sequence, prefill: TargetOutput) -> None:
-        """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
-        covers the prompt's rows (hidden states at every row, logits at the last)."""
-
-    @classmethod
-    def found_for(cls, resources: DrafterResources) -> str | None:
-        """For `auto` (drafters/auto.py): what makes this drafter usable with what was loaded, in a few words, or
-        None when it cannot draft here."""
-        try:
-            cls.check_resources(resources)
-        except SpecDecodeError:
-            return None
-        if cls.caps.draft_files:
-            return f"{cls.weights_kind} at {resources.path_for(cls.name)}"
-        if cls.caps.needs_draft_model:
-            return f"draft model {resources.draft.name}"
-        return "free to run"
-
-    @classmethod
-    def stands_for(cls, resources: DrafterResources) -> list[str] | None:
-        """The drafters a combination that drafts nothing itself (`auto`) stands for with these resources; None
-        for a drafter that drafts."""
-        return None
-
-    def defer_start(self, seq: Sequence) -> bool:
-        """Begin a request without reading the prefill, where this drafter can: its first proposal then catches
-        up on the whole context (a draft model). A combination whose members may never be chosen asks this
-        instead of `start`, so a member it never picks costs nothing; -> whether this drafter deferred."""
-        return False
-
-    def pending_tokens(self, seq: Sequence) -> int:
-        """Committed tokens this drafter has yet to read before it can propose (a draft model's catch-up)."""
-        return 0
-
-    def propose(self, seq: Sequence, budget: int) -> DraftProposal:
-        """At most `budget` tokens on any root-to-leaf path (the context and token budget allow no more)."""
-        raise NotImplementedError
-
-    def propose_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
-        """Proposals for the requests of one batched step (a budget of 0: nothing). Each must be what `propose`
-        gives that request alone; a drafter whose forwards batch without changing a bit overrides this."""
-        return [self.propose(seq, budget) if budget > 0 else DraftProposal.empty(self.name)
-                for seq, budget in zip(seqs, budgets)]
-
-    def proposals_for_asked(self, seqs: list[Sequence], budgets: list[int],
-                            chains: Callable[[list[Sequence], list[int]], list[DraftProposal]]) -> list[DraftProposal]:
-        """For a `propose_many` that batches: `chains(seqs, budgets)` over the sequences asked for tokens (a budget
-        above 0), empty proposals for the rest (a chain whose earlier member drafted for them)."""
-        proposals = [DraftProposal.empty(self.name) for _ in seqs]
-        asked = [b for b, budget in enumerate(budgets) if budget > 0]
-        if asked:
-            for b, chain in zip(asked, chains([seqs[b] for b in asked], [budgets[b] for b in asked])):
-                proposals[b] = chain
-        return proposals
-
-    def observe(self, seq: Sequence, fed: torch.Tensor, target: TargetOutput) -> None:
-        """For a drafter with caps.reads_verify_rows, before `commit`: every row of the step's verify forward, the
-        rejected drafts' included; `fed` [T] the tokens fed (the root, then each proposed node), `target` their
-        rows (logits of each)."""
-
-    def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
-        """After `seq.tokens` gained `result.tokens`; `target` holds the verify forward's rows along the accepted
-        path (the root, then each accepted node). `result.source` says whose proposal was verified."""
-
-    def finish(self, seq: Sequence) -> None:
-        """The request ended: drop its state."""
-        seq.drafter_state.pop(self.name, None)
-
-    def parts(self) -> list[Drafter]:
-        """The drafters this one is made of: itself, or a combination's members."""
-        return [self]
-
-    def max_nodes(self, budget: int) -> int:
-        """The most nodes a proposal under `budget` may hold (the KV cache keeps room for them)."""
-        return budget
-
-    def token_caches(self, seq: Sequence) -> dict[str, KVCache]:
-        """KV caches this drafter keeps of the request's committed tokens, by drafter name (a draft model's; row i
-        holds seq.tokens[i]): the prefix cache keeps their rows with the target's, and a later request that
-        reuses them finds them in `seq.reused_drafter_rows` as it starts."""
-        return {}
-
-    def cache_bytes(self) -> int:
-        """Memory held by caches that outlive a request (reported in stats; weights are not counted)."""
-        return 0
-
-    def weights_bytes(self) -> int:
-        """Memory held by weights of the drafter's own (an EAGLE-3 head); a draft model's are the Engine's."""
-        return 0
-
-    def request_bytes(self, seq: Sequence) -> int:
-        """Memory this request's state holds in the drafter (a draft model's KV cache), while it runs."""
-        return 0

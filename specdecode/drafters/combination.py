@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SpecConfig
+from specdecode.drafters import capabilities
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
+from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
 from specdecode.drafters.step_choice import StepChooser
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
 DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start waits for their first turn
 
 
-class CombinationDrafter(Drafter):
+class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerifyRows):
+    """Not registered: build_drafter makes one for a spec that names several methods."""
+
     name = "combination"
     clock = staticmethod(perf_counter)  # tests script it
 
@@ -40,15 +44,19 @@ class CombinationDrafter(Drafter):
                                 emits_probs=any(c.emits_probs for c in caps),
                                 emits_trees=any(c.emits_trees for c in caps),
                                 needs_draft_model=any(c.needs_draft_model for c in caps),
-                                draft_files=any(c.draft_files for c in caps),
-                                reads_verify_rows=any(c.reads_verify_rows for c in caps))
+                                draft_files=any(c.draft_files for c in caps))
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options) -> Drafter:
+        raise TypeError("a combination is built from its members by build_drafter, not created from options")
 
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         """Every member starts, except that per-step choice defers those that can (a draft model's prompt
         forward) until first chosen: a request the lookups serve alone never pays for them."""
         deferred = set()
         for member in self.members:
-            if self.chooser is not None and member.defer_start(seq):
+            if self.chooser is not None and capabilities.defers_start(member):
+                member.defer_start(seq)
                 deferred.add(member.name)
             else:
                 member.start(seq, prefill)
@@ -75,7 +83,7 @@ class CombinationDrafter(Drafter):
         for member in self.members:
             if not waiting:
                 break
-            offered = member.propose_many([seqs[i] for i in waiting], [budgets[i] for i in waiting])
+            offered = capabilities.propose_many(member, [seqs[i] for i in waiting], [budgets[i] for i in waiting])
             for i, proposal in zip(waiting, offered):
                 if proposal.size:
                     proposals[i] = proposal
@@ -146,7 +154,7 @@ class CombinationDrafter(Drafter):
             return 0.0
         left = max(1, seq.sampling.max_tokens - seq.generated)
         share = min(1.0, (budget + 1) / left)
-        return share * self.chooser.start_seconds(member.name, member.pending_tokens(seq))
+        return share * self.chooser.start_seconds(member.name, capabilities.pending_tokens(member, seq))
 
     def _timed_propose_many(self, member: Drafter, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """member's proposals, timed into the chooser's estimates: a request where the member starts late (its
@@ -158,14 +166,14 @@ class CombinationDrafter(Drafter):
             if member.name not in deferred:
                 going.append(i)
                 continue
-            context = member.pending_tokens(seq)
+            context = capabilities.pending_tokens(member, seq)
             began = self.clock()
             proposals[i] = member.propose(seq, budgets[i])
             deferred.remove(member.name)
             self.chooser.record_start(member.name, self.clock() - began, context, proposals[i].size)
         if going:
             began = self.clock()
-            offered = member.propose_many([seqs[i] for i in going], [budgets[i] for i in going])
+            offered = capabilities.propose_many(member, [seqs[i] for i in going], [budgets[i] for i in going])
             self.chooser.record_drafting(member.name, self.clock() - began, sum(p.size for p in offered))
             for i, proposal in zip(going, offered):
                 proposals[i] = proposal
@@ -173,8 +181,7 @@ class CombinationDrafter(Drafter):
 
     def observe(self, seq: Sequence, fed: torch.Tensor, target: TargetOutput) -> None:
         for member in self.members:
-            if member.caps.reads_verify_rows:
-                member.observe(seq, fed, target)
+            capabilities.observe(member, seq, fed, target)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         if self.chooser is not None:
@@ -196,23 +203,20 @@ class CombinationDrafter(Drafter):
         return list(self.members)
 
     def max_nodes(self, budget: int) -> int:
-        return max(member.max_nodes(budget) for member in self.members)
+        return max(capabilities.max_nodes(member, budget) for member in self.members)
 
     def token_caches(self, seq: Sequence) -> dict[str, KVCache]:
-        return {name: cache for member in self.members for name, cache in member.token_caches(seq).items()}
-
-    def pending_tokens(self, seq: Sequence) -> int:
-        """The most any member has to read first: what a step that falls to that member catches up on."""
-        return max(member.pending_tokens(seq) for member in self.members)
+        return {name: cache for member in self.members
+                for name, cache in capabilities.token_caches(member, seq).items()}
 
     def cache_bytes(self) -> int:
-        return sum(member.cache_bytes() for member in self.members)
+        return sum(capabilities.cache_bytes(member) for member in self.members)
 
     def weights_bytes(self) -> int:
-        return sum(member.weights_bytes() for member in self.members)
+        return sum(capabilities.weights_bytes(member) for member in self.members)
 
     def request_bytes(self, seq: Sequence) -> int:
-        return sum(member.request_bytes(seq) for member in self.members)
+        return sum(capabilities.request_bytes(member, seq) for member in self.members)
 
 
 def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[tuple, Drafter]) -> Drafter:

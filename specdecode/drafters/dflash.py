@@ -23,6 +23,7 @@ import torch
 from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
+from specdecode.drafters.capabilities import AutoMember, Batching, MemorySizing
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import fix_dflash_attention
@@ -72,7 +73,7 @@ class DFlashState:
 
 
 @register
-class DFlashDrafter(Drafter):
+class DFlashDrafter(Drafter, AutoMember, Batching, MemorySizing):
     name = "dflash"
     auto_rank = 4
     weights_kind = "a DFlash drafter"

@@ -20,6 +20,7 @@ import torch
 from specdecode.acceptance.sampling import logits_to_probs, sample
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.capabilities import AutoMember, Batching, DeferredStart, MemorySizing
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.ngram import find_continuations
 from specdecode.drafters.registry import register
@@ -61,7 +62,7 @@ class DraftModelOptions(NoOptions):
 
 
 @register
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizing):
     name = "draft"
     auto_rank = 6  # about a third of a target step per drafted token: the costliest member
     caps = DrafterCaps(emits_probs=True, emits_trees=True, needs_draft_model=True)
@@ -114,7 +115,7 @@ class DraftModelDrafter(Drafter):
         # The prompt now, in the prefill phase; the first generated token comes with the first proposal.
         self._feed(seq, seq.drafter_state[self.name], logits_at=slice(0, 0), upto=seq.prompt_len)
 
-    def defer_start(self, seq: Sequence) -> bool:
+    def defer_start(self, seq: Sequence) -> None:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
         slack = seq.draft_limit * (self.options.draft_tree_width if self.tree else 1)
         # A recurrent draft model rolls back over a drafting step's rows and its catch-up's (decoder/hybrid.py).
@@ -122,8 +123,7 @@ class DraftModelDrafter(Drafter):
         reused = seq.reused_drafter_rows.get(self.name)
         if reused is not None:  # the prompt's beginning, as an earlier request read it (prefix_cache.py)
             cache.fill(*reused)
-        seq.drafter_state[self.name] = cache
-        return True  # the first catch-up reads the prompt (what the prefix cache did not give)
+        seq.drafter_state[self.name] = cache  # the first catch-up reads the prompt (what the prefix cache did not give)
 
     def pending_tokens(self, seq: Sequence) -> int:
         return len(seq.tokens) - seq.drafter_state[self.name].lengths[0]

@@ -22,6 +22,7 @@ import torch
 
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.capabilities import AutoMember, Batching, MemorySizing
 from specdecode.drafters.dynamic_tree import DynamicTree, tree_log_probs
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
@@ -55,7 +56,7 @@ class Eagle3State:
 
 
 @register
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(Drafter, AutoMember, Batching, MemorySizing):
     name = "eagle3"
     auto_rank = 3
     weights_kind = "an EAGLE-3 head"

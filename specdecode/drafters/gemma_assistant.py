@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
+from specdecode.drafters.capabilities import MemorySizing
 from specdecode.drafters.hidden_drafting import draft_chains
+from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.gemma_assistant import is_assistant_folder, load_assistant
 from specdecode.models.heads.gemma_assistant import GemmaAssistant
 from specdecode.models.loader import module_bytes
@@ -26,7 +28,7 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 log = logging.getLogger(__name__)
 
 
-class GemmaAssistantDrafter(Drafter):
+class GemmaAssistantDrafter(Drafter, MemorySizing):
     name = "mtp"
     caps = DrafterCaps(final_hidden=True, emits_probs=True, draft_files=True)
 
@@ -36,8 +38,11 @@ class GemmaAssistantDrafter(Drafter):
         self.slots = {kind: target.shared_slot(kind) for kind in set(assistant.config.layer_types)}
 
     @classmethod
-    def create_from(cls, resources: DrafterResources, path: Path) -> GemmaAssistantDrafter:
-        """The drafter over the assistant at `path` (assistant_path's), loaded once per Engine."""
+    def create(cls, resources: DrafterResources, options=None) -> GemmaAssistantDrafter:
+        """The drafter over the assistant `assistant_path` finds for the target, loaded once per Engine."""
+        path = assistant_path(resources)
+        if path is None:
+            raise SpecDecodeError("no Gemma 4 assistant found beside the target (--draft-head mtp=PATH names one)")
         model = resources.target.model
         key = f"gemma4-assistant:{path.resolve()}"
         if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.capabilities import AutoMember, Batching, MemorySizing
 from specdecode.drafters.gemma_assistant import GemmaAssistantDrafter, assistant_path
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
@@ -65,7 +66,7 @@ class MTPState:
 
 
 @register
-class MTPDrafter(Drafter):
+class MTPDrafter(Drafter, AutoMember, Batching, MemorySizing):
     name = "mtp"
     auto_rank = 2  # the model's own layers: the first model drafter, as the seed advises
     caps = DrafterCaps(final_hidden=True, emits_probs=True, draft_files=True)
@@ -109,9 +110,8 @@ class MTPDrafter(Drafter):
     def create(cls, resources: DrafterResources, options: MTPOptions) -> Drafter:
         model = resources.target.model
         config = model.config
-        assistant = None if config.mtp_layers else assistant_path(resources)
-        if assistant is not None:  # Gemma 4 ships its MTP as an assistant model
-            return GemmaAssistantDrafter.create_from(resources, assistant)
+        if not config.mtp_layers and assistant_path(resources) is not None:  # Gemma 4 ships an assistant model
+            return GemmaAssistantDrafter.create(resources, options)
         companion = _companion(resources)
         if not config.mtp_layers and companion is None:
             raise SpecDecodeError(_no_mtp_layers(resources))

@@ -13,6 +13,7 @@ import torch
 
 from specdecode.acceptance.tree import tree_from_paths
 from specdecode.drafters.base import Drafter, DrafterCaps, option
+from specdecode.drafters.capabilities import MemorySizing
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.spec_types import DraftProposal, Sequence
@@ -32,7 +33,7 @@ class NgramOptions:
 
 
 @register
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, MemorySizing):
     name = "ngram"
     Options = NgramOptions
     caps = DrafterCaps(emits_trees=True)

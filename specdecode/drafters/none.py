@@ -1,6 +1,8 @@
 """Plain decoding through the same engine: the baseline every method is measured against."""
 
-from specdecode.drafters.base import Drafter, DrafterCaps
+from __future__ import annotations
+
+from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.registry import register
 from specdecode.spec_types import DraftProposal, Sequence
 
@@ -9,6 +11,10 @@ from specdecode.spec_types import DraftProposal, Sequence
 class NoDrafter(Drafter):
     name = "none"
     caps = DrafterCaps(drafts=False)
+
+    @classmethod
+    def create(cls, resources: DrafterResources, options) -> NoDrafter:
+        return cls()
 
     def propose(self, seq: Sequence, budget: int) -> DraftProposal:
         return DraftProposal.empty(self.name)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.capabilities import AutoMember, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.registry import register
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput
 
@@ -40,11 +41,11 @@ class RecycleOptions(NoOptions):
 
 
 @register
-class RecycleDrafter(Drafter):
+class RecycleDrafter(Drafter, AutoMember, MemorySizing, ReadsVerifyRows):
     name = "recycle"
     auto_rank = 1  # free to run like suffix, for the text suffix cannot match
     Options = RecycleOptions
-    caps = DrafterCaps(emits_trees=True, reads_verify_rows=True)
+    caps = DrafterCaps(emits_trees=True)
     tree_options = {"recycle_tree_nodes": 16}
 
     def __init__(self, vocab_size: int, options: RecycleOptions):

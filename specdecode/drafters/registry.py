@@ -7,11 +7,13 @@ so a new drafter's options are declared once, in its own file.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import Field, fields, replace
 from typing import Any
 
 from specdecode.config import SpecConfig
+from specdecode.drafters import capabilities
 from specdecode.drafters.base import Drafter, DrafterResources, check_bounds
 from specdecode.errors import SpecDecodeError
 
@@ -19,6 +21,11 @@ DRAFTERS: dict[str, type[Drafter]] = {}
 
 
 def register(cls: type[Drafter]) -> type[Drafter]:
+    """Add a drafter class under its name; a class that leaves out a required method (base.Drafter) or a method
+    of a capability it declares (capabilities.py) is refused here, not at its first step."""
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"drafter {getattr(cls, 'name', cls.__name__)!r} does not implement {missing}")
     taken = all_options()
     for item in fields(cls.Options):
         if item.name in taken:  # option names are global (flags, JSON fields), so two drafters cannot share one
@@ -68,7 +75,7 @@ def expand_spec(spec: SpecConfig, resources: DrafterResources) -> SpecConfig:
     for `resources`, which then run with per-step choice (combine="best")."""
     names, combine = [], spec.combine
     for name in spec.methods:
-        members = DRAFTERS[name].stands_for(resources)
+        members = capabilities.stands_for(DRAFTERS[name], resources)
         if members is None:
             names.append(name)
         else:
@@ -82,7 +89,8 @@ def check_options_apply(methods: tuple[str, ...], names: Iterable[str]) -> None:
     another method would be silently ignored. A combination that finds its members (`auto`) may take an option
     of any drafter it may run."""
     users = {DRAFTERS[m] for m in methods if m in DRAFTERS}
-    users |= {cls for cls in DRAFTERS.values() if cls.auto_rank is not None and any(u.finds_sources for u in users)}
+    if any(capabilities.finds_sources(user) for user in users):
+        users |= {cls for cls in DRAFTERS.values() if capabilities.auto_rank(cls) is not None}
     known = all_options()
     for name in names:
         if name in known and known[name][0] not in users:

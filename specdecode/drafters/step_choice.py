@@ -10,7 +10,7 @@ token per member, and verify seconds as a line in the number of drafted nodes.
 Doing nothing is a candidate too: when no member promises more than a step without drafts (1 token over the
 verify line's cost at 0 nodes), the step drafts nothing, and counts as "chooser_plain" in the stats.
 
-A member that can begin a request without the prefill (a draft model, Drafter.defer_start) starts only when
+A member that can begin a request without the prefill (a draft model, capabilities.DeferredStart) starts only when
 first chosen, so a request the lookups serve alone never pays its prompt forward. That catch-up on the whole
 context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
 of the estimated catch-up (seconds per context token, measured the first times it happens).

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
+from specdecode.drafters.capabilities import AutoMember, MemorySizing
 from specdecode.drafters.registry import register
 from specdecode.drafters.suffix_index import Candidate, TokenIndex, best_candidate
 from specdecode.spec_types import DraftProposal, Sequence
@@ -76,17 +77,17 @@ class ResponseCache:
 
 
 @register
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Drafter, AutoMember, MemorySizing):
     name = "suffix"
     auto_rank = 0  # free to run, often right on code and edits: auto asks it first
-
-    @classmethod
-    def found_for(cls, resources: DrafterResources) -> str:
-        return "free, for text that repeats"
     Options = SuffixOptions
     caps = DrafterCaps(emits_trees=True)
     vllm_method = "suffix"
     tree_options = {"suffix_tree_nodes": 12}
+
+    @classmethod
+    def found_for(cls, resources: DrafterResources) -> str:
+        return "free, for text that repeats"
 
     def __init__(self, options: SuffixOptions):
         self.options = options

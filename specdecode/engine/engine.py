@@ -24,7 +24,7 @@ from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.acceptance.verify import verify
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.drafters import Drafter, DrafterResources, build_drafter
+from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
 from specdecode.drafters.registry import check_resources, expand_spec, resolve_spec
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
@@ -126,7 +126,7 @@ class Engine:
         members no kept configuration uses. A running request keeps its own reference to its drafter."""
         while len(self._drafters) > MAX_DRAFTER_CONFIGS:
             del self._drafters[next(key for key in self._drafters if key != self._default_key)]
-        used = {id(part) for drafter in self._drafters.values() for part in drafter.parts()}
+        used = {id(part) for drafter in self._drafters.values() for part in capabilities.parts(drafter)}
         for key in [key for key, member in self._members.items() if id(member) not in used]:
             del self._members[key]
 
@@ -206,12 +206,12 @@ class Engine:
     def _rollback_rows(self, drafter: Drafter, spec: SpecConfig) -> int:
         """The rows a verify forward may roll back over (root and proposed nodes): a hybrid trunk keeps each one's
         recurrent states until the step commits."""
-        return drafter.max_nodes(self._draft_length(drafter, spec).maximum) + 1
+        return capabilities.max_nodes(drafter, self._draft_length(drafter, spec).maximum) + 1
 
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
         capacity = min(self.context_limit, prompt_len + sampling.max_tokens)
-        return capacity + drafter.max_nodes(self._draft_length(drafter, spec).maximum)
+        return capacity + capabilities.max_nodes(drafter, self._draft_length(drafter, spec).maximum)
 
     @staticmethod
     def _draft_length(drafter: Drafter, spec: SpecConfig) -> DraftLength:
@@ -342,7 +342,7 @@ class Engine:
                 request, budget = requests[members[0]], budgets[members[0]]
                 proposals = [drafter.propose(request, budget) if budget > 0 else DraftProposal.empty(drafter.name)]
             else:
-                proposals = drafter.propose_many([requests[b] for b in members], [budgets[b] for b in members])
+                proposals = capabilities.propose_many(drafter, [requests[b] for b in members], [budgets[b] for b in members])
             seconds = (perf_counter() - began) / len(members)
             for b, proposal in zip(members, proposals):
                 if proposal.size == 0 and drafter.caps.drafts:
@@ -355,8 +355,7 @@ class Engine:
         """Verify the request's proposal against its rows of the forward (`fed` [T]: the tokens of those rows),
         keep the accepted path, commit."""
         proposal = draft.proposal
-        if request.drafter.caps.reads_verify_rows:
-            request.drafter.observe(request, fed, out)
+        capabilities.observe(request.drafter, request, fed, out)
         result = verify(proposal, out.logits, request.sampling, request.generator, request.relaxation,
                         block=request.spec.verification == "block")
         request.cache.keep(draft.start, result.kept_rows)
@@ -381,7 +380,7 @@ class Engine:
         if self.prefix_cache is not None and request.started:
             self.prefix_cache.store(request)
         request.drafter.finish(request)
-        request.stats.drafter_cache_bytes = request.drafter.cache_bytes()
+        request.stats.drafter_cache_bytes = capabilities.cache_bytes(request.drafter)
 
     def drafter_weights_bytes(self) -> int:
         """Memory of the drafters' own weights (EAGLE-3 heads, each once; the draft model counts as a model)."""
@@ -389,7 +388,7 @@ class Engine:
 
     def drafter_cache_bytes(self) -> int:
         """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""
-        return sum(member.cache_bytes() for member in self._members.values())
+        return sum(capabilities.cache_bytes(member) for member in self._members.values())
 
     @staticmethod
     def _record_logprobs(request: Request, logits: torch.Tensor, tokens: list[int]) -> None:

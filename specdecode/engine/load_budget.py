@@ -44,6 +44,7 @@ import bisect
 import weakref
 from dataclasses import dataclass, field
 
+from specdecode.drafters import capabilities
 from specdecode.spec_types import Sequence
 
 SMOOTHING = 0.2  # weight of the newest measurement in each running estimate
@@ -93,7 +94,7 @@ class BatchDraftBudget:
     def draft_cap(self, seqs: list[Sequence], wanted: list[int]) -> int:
         """The draft length every sequence of this batched step is held to (0: plain batching)."""
         for seq in seqs:
-            self._estimate(seq).pending = seq.drafter.pending_tokens(seq)
+            self._estimate(seq).pending = capabilities.pending_tokens(seq.drafter, seq)
         rates = [self._rate(seqs, wanted, k) for k in range(max(wanted, default=0) + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties keep the shorter draft
         if best == 0 and len(rates) > 1:
@@ -112,7 +113,7 @@ class BatchDraftBudget:
     def _rate(self, seqs: list[Sequence], wanted: list[int], k: int) -> float:
         """Expected committed tokens per second of a step drafting up to k tokens per sequence."""
         allowed = [min(k, w) for w in wanted]
-        rows = len(seqs) * (1 + max(seq.drafter.max_nodes(a) if a else 0 for seq, a in zip(seqs, allowed)))
+        rows = len(seqs) * (1 + max(capabilities.max_nodes(seq.drafter, a) if a else 0 for seq, a in zip(seqs, allowed)))
         tokens, drafting = 0.0, 0.0
         for seq, a in zip(seqs, allowed):
             estimate = self._estimate(seq)
@@ -166,7 +167,7 @@ class BatchDraftBudget:
         until a catch-up itself is measured (a lone prompt read costs per token about what a batch's catch-ups
         do: one forward over many rows per request)."""
         restored = max((keys.shape[2] for keys, _ in seq.reused_drafter_rows.values()), default=0)
-        read = len(seq.tokens) - seq.drafter.pending_tokens(seq) - restored  # what the drafter read itself
+        read = len(seq.tokens) - capabilities.pending_tokens(seq.drafter, seq) - restored  # what the drafter read itself
         method = self._method(seq)
         if read > CATCH_UP_TOKENS and method.catch_up_seconds_per_token is None:
             method.catch_up_seconds_per_token = drafter_seconds / read
@@ -187,7 +188,7 @@ class BatchDraftBudget:
         step.seconds += draft_seconds
         step.usual += budget * (estimate.draft_seconds_per_token or 0.0)
         # Tokens its drafter read this step: what it was behind, plus what the step committed, less what is left.
-        read = pending + accepted + 1 - seq.drafter.pending_tokens(seq) if pending > CATCH_UP_TOKENS else 0
+        read = pending + accepted + 1 - capabilities.pending_tokens(seq.drafter, seq) if pending > CATCH_UP_TOKENS else 0
         if read > CATCH_UP_TOKENS:
             step.caught_up += read
         else:

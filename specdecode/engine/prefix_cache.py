@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.drafters import capabilities
 from specdecode.drafters.base import DrafterCaps
 from specdecode.engine.request import Request
 from specdecode.errors import SpecDecodeError
@@ -118,7 +119,7 @@ class PrefixCache:
         states = TargetOutput.joined(seq.read_states) if seq.read_states else TargetOutput(torch.empty(0))
         keys, values = seq.cache.keys[:, 0, :, :length], seq.cache.values[:, 0, :, :length]  # [L, Hkv, n, D] each
         drafter_rows = {name: (cache.keys[:, 0, :, :rows].clone(), cache.values[:, 0, :, :rows].clone())
-                        for name, cache in seq.drafter.token_caches(seq).items()
+                        for name, cache in capabilities.token_caches(seq.drafter, seq).items()
                         if (rows := min(cache.lengths[0], length)) > 0 and cache.end_state() is None}
         new = PrefixEntry(tokens, keys.clone(), values.clone(), states.hidden, states.final_hidden, drafter_rows,
                           seq.cache.end_state())

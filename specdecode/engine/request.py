@@ -15,6 +15,7 @@ from time import perf_counter
 
 from specdecode.acceptance.logprobs import TokenLogprob
 from specdecode.acceptance.relaxed import Relaxed
+from specdecode.drafters import capabilities
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.provenance import StepTrace, TokenOrigin
 from specdecode.engine.speed_guard import SpeedGuard
@@ -101,5 +102,5 @@ class Request(Sequence):
     def close_stats(self) -> None:
         """Stats known once the request stops stepping: its memory and what the speed guard did."""
         self.stats.kv_cache_bytes = self.cache.nbytes
-        self.stats.drafter_request_bytes = self.drafter.request_bytes(self)
+        self.stats.drafter_request_bytes = capabilities.request_bytes(self.drafter, self)
         self.stats.guard_shrinks, self.stats.guard_pauses = self.guard.shrinks, self.guard.pauses
