@@ -206,7 +206,8 @@ def test_broken_model_folders_are_one_line(models, capsys, tmp_path, edit, messa
     (["--max-active", "0"], "--max-active must be >= 1"), (["--request-timeout", "nan"], "--request-timeout must"),
     (["--log-level", "loud"], "unknown --log-level 'loud'"), (["--public-routes", "admin"], "unknown route group"),
     (["--port", "70000"], "--port must be between 0 and 65535"), (["--spec-type", "telepathy"], "unknown speculative"),
-    (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"), (["--prefix-cache", "lots"], "not a size: 'lots'"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: auto or a number of tokens of at least 1, not '0'"),
+    (["--prefix-cache", "lots"], "not a size: 'lots'"),
 ])
 def test_serve_checks_its_flags_before_loading(models, capsys, monkeypatch, extra, message):
     from specdecode.models import loader

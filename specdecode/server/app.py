@@ -52,7 +52,7 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     batching: str = "auto"  # on, off, or auto: on where the target is batch-invariant (scheduler.py)
     kv_memory: int | None = None  # bytes the active requests' KV caches may hold together; None: no bound
-    prefill_chunk: int = 32  # prompt tokens read between two batched steps while others decode; 0: whole prompts
+    prefill_chunk: int | None = None  # prompt tokens a chunk reads; None: about one round of steps' time (scheduler)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
