@@ -121,6 +121,11 @@ class Drafter:
             raise SpecDecodeError(f"method '{cls.name}' needs {cls.weights_kind}: --draft-model PATH (a folder with "
                                   "config.json and safetensors weights), or --draft-head PATH beside a draft model")
 
+    @classmethod
+    def check_options_fit(cls, options: Any, resources: DrafterResources) -> None:
+        """Raise SpecDecodeError where one of its options cannot apply to what was loaded (a token count beyond
+        the target's vocabulary); from the options and the resources alone, building nothing."""
+
     def start(self, seq: Sequence, prefill: TargetOutput) -> None:
         """After the target's prefill: `seq.tokens` holds the prompt and the first generated token; `prefill`
         covers the prompt's rows (hidden states at every row, logits at the last)."""

@@ -78,6 +78,13 @@ class DraftModelDrafter(Drafter):
         self.head, self.head_ids = head, head_ids
 
     @classmethod
+    def check_options_fit(cls, options: DraftModelOptions, resources: DrafterResources) -> None:
+        vocab = resources.target.config.vocab_size
+        if options.draft_vocab > vocab:  # as many as the whole vocabulary is the whole vocabulary
+            raise SpecDecodeError(f"draft_vocab must be at most the target's vocabulary of {vocab} tokens (0: all of "
+                                  f"them), got {options.draft_vocab}", "draft_vocab")
+
+    @classmethod
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
         cls.check_resources(resources)
         check_vocabularies(resources.target, resources.draft)

@@ -135,7 +135,7 @@ def ships_mtp(model: str | None) -> bool:
     from specdecode.models.formats.default_models import DEFAULT_MODELS, DEFAULT_TARGET, status
     from specdecode.models.loader import resolve_source
 
-    name = model or DEFAULT_TARGET
+    name = DEFAULT_TARGET if model is None else model
     if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
         return False  # the default models ship none; assembling one only to look would take a minute
     facts = survey(resolve_source(name, quiet=True))
