@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, quoted
 
 MAX_DRAFT_TOKENS = 64
 VERIFICATION_RULES = ("block", "token")  # how a sampled chain is verified: jointly (block_verify.py) or token-wise
@@ -110,7 +110,11 @@ class SpecConfig:
             raise SpecDecodeError(f"SpecConfig takes a method name (str), num_draft_tokens (int), adaptive and "
                                   f"guard (bool), got {method!r}, {num_draft_tokens!r}, {adaptive!r}, {guard!r}")
         merged = dict(options.items() if isinstance(options, Mapping) else options) | named_options
-        object.__setattr__(self, "method", ",".join(m.strip() for m in method.split(",") if m.strip()))
+        members = [m.strip() for m in method.split(",")]
+        if len(members) > 1 and not all(members):  # "ngram," or "ngram,,draft": a member left out, not nothing
+            raise SpecDecodeError(f"method {quoted(method)} has an empty member: name each method of a combination "
+                                  "once, separated by single commas, such as 'ngram,draft'")
+        object.__setattr__(self, "method", ",".join(members))
         object.__setattr__(self, "num_draft_tokens", num_draft_tokens)
         object.__setattr__(self, "adaptive", adaptive)
         object.__setattr__(self, "options", tuple(sorted(merged.items())))

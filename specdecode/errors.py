@@ -10,3 +10,10 @@ class SpecDecodeError(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def quoted(value: object, limit: int = 60) -> str:
+    """A user's value as a message quotes it: its repr, cut to about `limit` characters, so that a 10 KB method
+    name or model id is not echoed back whole."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(str(value))} characters)"

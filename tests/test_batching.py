@@ -263,11 +263,11 @@ def test_a_bug_in_one_prefill_is_a_500_for_that_request_and_the_server_keeps_ser
     prefill = w4a8_engine.prefill
     calls = []
 
-    def failing_once(request):
+    def failing_once(request, tokens):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a scripted bug")
-        return prefill(request)
+        return prefill(request, tokens)
 
     monkeypatch.setattr(w4a8_engine, "prefill", failing_once)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}

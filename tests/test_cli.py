@@ -75,7 +75,11 @@ def test_prompt_from_stdin(models, capsys, monkeypatch):
     ("extra", "message"),
     [
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", ""], "the model name is empty"),
         (["--spec-type", "bogus"], "unknown speculative method 'bogus'"),
+        (["--spec-type", "x" * 10_000], "(10000 characters)"),  # echoed cut short, not whole
+        (["--spec-type", "ngram,"], "method 'ngram,' has an empty member"),
+        (["--spec-type", "none,ngram"], "combines 'none', which drafts nothing; leave it out ('ngram')"),
         (["--spec-type", "draft"], "needs a draft model"),
         (["--num-draft-tokens", "-1"], "num_draft_tokens must be between 0 and 64"),
         (["--temperature", "-1"], "temperature must be >= 0"),
@@ -93,6 +97,13 @@ def test_user_errors_are_one_line_and_exit_2(models, capsys, extra, message):
     assert code == 2
     assert err.startswith("error: ") and message in err and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+def test_serve_help_shows_the_request_timeouts_default_and_the_prefill_chunks_bound(capsys):
+    code, out, _ = run(capsys, "serve", "--help")
+    help_text = " ".join(out.split())
+    assert code == 0 and "checked between prompt chunks and steps (default 600)" in help_text
+    assert "waits at most a round plus one chunk while prompts are read" in help_text
 
 
 def test_models_lists_defaults(capsys):
@@ -206,7 +217,8 @@ def test_broken_model_folders_are_one_line(models, capsys, tmp_path, edit, messa
     (["--max-active", "0"], "--max-active must be >= 1"), (["--request-timeout", "nan"], "--request-timeout must"),
     (["--log-level", "loud"], "unknown --log-level 'loud'"), (["--public-routes", "admin"], "unknown route group"),
     (["--port", "70000"], "--port must be between 0 and 65535"), (["--spec-type", "telepathy"], "unknown speculative"),
-    (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"), (["--prefix-cache", "lots"], "not a size: 'lots'"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: auto or a number of tokens of at least 1, not '0'"),
+    (["--prefix-cache", "lots"], "not a size: 'lots'"),
 ])
 def test_serve_checks_its_flags_before_loading(models, capsys, monkeypatch, extra, message):
     from specdecode.models import loader

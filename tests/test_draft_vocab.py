@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.cli.main import main
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -39,7 +39,10 @@ def test_the_reduced_head_is_built_once_and_counted(engine):
     again = engine.drafter(SpecConfig("draft", draft_vocab=32, draft_tree_nodes=4))
     assert first.head is again.head and "draft-head:32:lowest" in engine.resources.own_weights
     assert engine.drafter_weights_bytes() > 0
-    assert engine.drafter(SpecConfig("draft", draft_vocab=100_000)).head is None  # not smaller: the own head
+    vocab = engine.target.config.vocab_size
+    assert engine.drafter(SpecConfig("draft", draft_vocab=vocab)).head is None  # not smaller: the own head
+    with pytest.raises(SpecDecodeError, match=f"draft_vocab must be at most the target's vocabulary of {vocab}"):
+        engine.check_spec(SpecConfig("draft", draft_vocab=vocab + 1))  # a mistake, not "all of it" (#63)
 
 
 def test_sampled_output_passes_the_distribution_check(noisy_pair, tmp_path, capsys):

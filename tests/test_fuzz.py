@@ -98,9 +98,10 @@ def valid_requests_schema(roomy_server):
 
 
 valid_schema = schemathesis.pytest.from_fixture("valid_requests_schema")
-# What a JSON schema cannot say: how many tokens a text prompt makes (its characters do not tell), and an order
-# between two fields (ngram_min at most ngram_max, whose default is 4).
-UNSAYABLE = ("leaves no room in the context", "need 1 <= ngram_min <= ngram_max")
+# What a JSON schema cannot say: how many tokens a text prompt makes (its characters do not tell), a bound on the
+# sum of two fields (a prompt's tokens and max_tokens within the context), and an order between two fields
+# (ngram_min at most ngram_max, whose default is 4).
+UNSAYABLE = ("leaves no room in the context", "exceed the context", "need 1 <= ngram_min <= ngram_max")
 
 
 @valid_schema.parametrize()

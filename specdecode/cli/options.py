@@ -142,7 +142,8 @@ def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = 
     from specdecode.models.loader import load_model
 
     check_model_args(args)
-    target = load_model(args.model or DEFAULT_TARGET, args.dtype, args.device, quiet, args.quant, args.group_size)
+    target = load_model(DEFAULT_TARGET if args.model is None else args.model, args.dtype, args.device, quiet,
+                        args.quant, args.group_size)  # --model "" is a mistake to report, not the default
     draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet,
                         draft_model_quant(args, quiet), args.group_size) if draft_name else None)
     return target, draft

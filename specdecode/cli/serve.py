@@ -14,6 +14,7 @@ from specdecode.drafters import needs_draft_files
 from specdecode.drafters.registry import DRAFTERS, all_options, resolve_spec, with_serve_defaults
 from specdecode.errors import SpecDecodeError
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
+from specdecode.server.prefill_pace import MIN_CHUNK_SECONDS
 
 MAX_SECONDS = 1e7  # about four months; asyncio's timers overflow on far larger values
 
@@ -64,6 +65,20 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def parse_prefill_chunk(text: str) -> int | None:
+    """'auto' (chunks sized by measured times) -> None, or a number of tokens of at least 1."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"auto or a number of tokens of at least 1, not {text!r} "
+                                         "(prompts are always read in chunks, so a cancelled request stops within one)")
+    return tokens
+
+
 def parse_size_or_off(text: str) -> int:
     """A size as parse_size reads it, or 0 / off for none -> bytes."""
     return 0 if text.strip().lower() in ("0", "off") else parse_size(text)
@@ -103,12 +118,17 @@ def add_parser(commands) -> None:
                        "chat's next turn, a shared system prompt) reads only what is new; least recently used "
                        "out first; a request's cache_prompt: false reads all of it (default 512M; 0 or off: "
                        "none)")
-    serve.add_argument("--prefill-chunk", type=int, default=32,
-                       help="while requests decode in a batch, read an arriving prompt this many tokens at a time, "
-                       "one chunk between two steps, so they wait for a chunk, not a whole prompt (0: whole "
-                       "prompts; default 32)")
+    serve.add_argument("--prefill-chunk", type=parse_prefill_chunk, default=None, metavar="auto|N",
+                       help="read each prompt this many tokens at a time, one chunk between two rounds of the "
+                       "other requests' steps, checking cancellations, timeouts, new requests and shutdown between "
+                       "chunks; auto (the default) sizes each chunk to take about as long as a round of steps, at "
+                       f"least {MIN_CHUNK_SECONDS:g} s, so a decoding request's next token waits at most a round "
+                       f"plus one chunk while prompts are read (about twice its step, or its step plus "
+                       f"{MIN_CHUNK_SECONDS:g} s)")
     serve.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those; then 429")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may take, waiting included, checked between prompt chunks and steps "
+                       "(default 600)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on shutdown")
@@ -171,8 +191,6 @@ def check_serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     for name in ("max_tokens", "max_active", "max_queued", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.prefill_chunk < 0:
-        raise SpecDecodeError(f"--prefill-chunk must be >= 0 (0: whole prompts), got {args.prefill_chunk}")
     if not 0 < args.request_timeout <= MAX_SECONDS:  # NaN fails both comparisons
         raise SpecDecodeError(f"--request-timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.request_timeout}")
     if not 0 <= args.shutdown_grace <= MAX_SECONDS:

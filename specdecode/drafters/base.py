@@ -132,9 +132,10 @@ class Drafter(ABC):
         seq.drafter_state.pop(self.name, None)
 
     @classmethod
-    def check_resources(cls, resources: DrafterResources) -> None:
+    def check_resources(cls, resources: DrafterResources, options: Any = None) -> None:
         """Raise SpecDecodeError when what it needs was not loaded or named (a draft model, a folder of its own
-        weights), saying which flag gives it; from its capabilities alone, building nothing."""
+        weights), saying which flag gives it, or when one of its `options` (None: the defaults) cannot apply to
+        what was loaded (a token count beyond the target's vocabulary); building nothing."""
         if cls.caps.needs_draft_model and resources.draft is None:
             raise SpecDecodeError(f"method '{cls.name}' needs a draft model (--draft-model NAME_OR_PATH)")
         if cls.caps.draft_files and resources.path_for(cls.name) is None:

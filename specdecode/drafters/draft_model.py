@@ -79,8 +79,16 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
         self.head, self.head_ids = head, head_ids
 
     @classmethod
+    def check_resources(cls, resources: DrafterResources, options: DraftModelOptions | None = None) -> None:
+        super().check_resources(resources, options)
+        vocab = resources.target.config.vocab_size
+        if options is not None and options.draft_vocab > vocab:  # as many as the whole vocabulary is the whole vocabulary
+            raise SpecDecodeError(f"draft_vocab must be at most the target's vocabulary of {vocab} tokens (0: all of "
+                                  f"them), got {options.draft_vocab}", "draft_vocab")
+
+    @classmethod
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
-        cls.check_resources(resources)
+        cls.check_resources(resources, options)
         check_vocabularies(resources.target, resources.draft)
         if options.draft_tree_nodes and resources.draft.config.is_hybrid:
             # Its tree levels would each start from states of nodes fed in earlier forwards, which the recurrent

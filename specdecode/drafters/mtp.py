@@ -100,7 +100,7 @@ class MTPDrafter(Drafter, AutoMember, Batching, MemorySizing):
         return None if path is None else f"MTP layers in {path}"
 
     @classmethod
-    def check_resources(cls, resources: DrafterResources) -> None:
+    def check_resources(cls, resources: DrafterResources, options: MTPOptions | None = None) -> None:
         """Its layers come inside the target or in a companion file (--draft-head optional): the target's config
         and the companion's path say whether there can be any, without reading them (`create` reads them)."""
         if cls.found_for(resources) is None:

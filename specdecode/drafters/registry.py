@@ -15,7 +15,7 @@ from typing import Any
 from specdecode.config import SpecConfig
 from specdecode.drafters import capabilities
 from specdecode.drafters.base import Drafter, DrafterResources, check_bounds
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, quoted
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
@@ -99,10 +99,10 @@ def check_options_apply(methods: tuple[str, ...], names: Iterable[str]) -> None:
 
 
 def check_resources(spec: SpecConfig, resources: DrafterResources) -> None:
-    """Whether what `spec`'s drafters need was loaded (a draft model, a folder of their own weights), checked
-    from their capabilities without building them; the message says which flag provides it."""
+    """Whether what `spec`'s drafters need was loaded (a draft model, a folder of their own weights), and whether
+    their options fit it, checked without building them; the message says which flag provides it."""
     for name in validate_method(spec):
-        DRAFTERS[name].check_resources(resources)
+        DRAFTERS[name].check_resources(resources, options_for(DRAFTERS[name], spec))
 
 
 def check_options_given(given: dict[str, Any]) -> None:
@@ -120,9 +120,12 @@ def validate_method(spec: SpecConfig) -> tuple[str, ...]:
     unknown = [m for m in methods if m not in DRAFTERS]
     if not methods or unknown:
         raise SpecDecodeError(
-            f"unknown speculative method {spec.method!r}; valid: {', '.join(sorted(DRAFTERS))} "
+            f"unknown speculative method {quoted(spec.method)}; valid: {', '.join(sorted(DRAFTERS))} "
             "or a comma-separated combination such as 'ngram,draft'"
         )
+    if "none" in methods and len(methods) > 1:  # a member that never drafts: the combination is its other members
+        raise SpecDecodeError(f"method {quoted(spec.method)} combines 'none', which drafts nothing; leave it out "
+                              f"('{','.join(m for m in methods if m != 'none')}')")
     return methods
 
 

@@ -253,11 +253,11 @@ class Engine:
         return request
 
     @torch.inference_mode()
-    def prefill(self, request: Request) -> GenerationEvent | None:
-        """Read the next chunk of the request's prompt; once it is all read, sample the first token, start the
-        drafter and -> the first event (None while chunks remain)."""
+    def prefill(self, request: Request, tokens: int | None = None) -> GenerationEvent | None:
+        """Read the next `tokens` of the request's prompt (None: its `chunk`); once it is all read, sample the first
+        token, start the drafter and -> the first event (None while chunks remain)."""
         began = perf_counter()
-        prompt = read_chunk(self.target.model, request)
+        prompt = read_chunk(self.target.model, request, request.chunk if tokens is None else tokens)
         request.stats.prefill_seconds += perf_counter() - began
         if prompt is None:
             return None

@@ -124,6 +124,9 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", devi
 
 def resolve_source(name_or_path: str, quiet: bool) -> Path:
     """-> a .gguf file or a Hugging Face-style folder (default names are assembled from their packages)."""
+    if not name_or_path.strip():  # Path("") is the working folder, which would be blamed for having no config.json
+        raise SpecDecodeError(f"the model name is empty; give a default name ({', '.join(DEFAULT_MODELS)}), a .gguf "
+                              "file or a model folder")
     path = Path(name_or_path).expanduser()
     if name_or_path in DEFAULT_MODELS:
         path = assemble(DEFAULT_MODELS[name_or_path], quiet=quiet)

@@ -1,12 +1,13 @@
 """Which models can draft for a target: the same vocabulary (the rule `draft` enforces) and fewer weights.
 
 Read from headers and tokenizer files only, no weights loaded: a GGUF file's token list and tensor shapes, a
-folder's tokenizer and config.json. LM Studio's pairing advice does the same from its catalogue.
+folder's tokenizer, config.json and safetensors headers. LM Studio's pairing advice does the same from its catalogue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_MODELS, status
@@ -34,7 +35,8 @@ class Pairing:
 def model_facts(name: str) -> ModelFacts:
     """A default name (assembled if needed), a .gguf file or a model folder -> its size and vocabulary."""
     # Here, not at the top: the loader imports torch, and `specdecode models` without --drafts-for needs none.
-    from specdecode.models.loader import read_config, resolve_source
+    from specdecode.models.formats import safetensors_read
+    from specdecode.models.loader import read_config, resolve_source, safetensors_files
     from specdecode.models.tokenizer import Tokenizer
 
     path = resolve_source(name, quiet=False)  # a .gguf file or a folder with config.json, or a clear error
@@ -44,7 +46,11 @@ def model_facts(name: str) -> ModelFacts:
             raise SpecDecodeError(f"{path} has no vocabulary ({TOKENS_KEY} is missing)")
         return ModelFacts(name, header.parameters, header.tokens)
     config = read_config(path)
-    return ModelFacts(name, config.parameter_count, Tokenizer.from_folder(path, config).token_strings())
+    # Every weight the files hold, as a GGUF file's header counts them; from headers checked against the files, so
+    # a damaged one is one clear error here, not a verdict on a model that cannot load.
+    parameters = sum(prod(entry.shape) for file in safetensors_files(path)
+                     for entry in safetensors_read.read_header(file)[0].values())
+    return ModelFacts(name, parameters, Tokenizer.from_folder(path, config).token_strings())
 
 
 def installed_defaults() -> list[str]:

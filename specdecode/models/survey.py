@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats import safetensors_read
 from specdecode.models.formats.gguf_header import read_header
 from specdecode.models.formats.mtp_companion import companion_beside, companion_layers
 from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
@@ -96,14 +95,7 @@ def _survey_gguf(path: Path) -> ModelSurvey:
 
 
 def _tensor_names(folder: Path) -> set[str]:
-    names: set[str] = set()
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                names.update(handle.keys())
-        except (SafetensorError, OSError) as error:
-            raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
-    return names
+    return {name for file in sorted(folder.glob("*.safetensors")) for name in safetensors_read.read_header(file)[0]}
 
 
 def _indices(names: set[str], pattern: re.Pattern, offset: int = 0) -> int:
@@ -143,7 +135,7 @@ def ships_mtp(model: str | None) -> bool:
     from specdecode.models.formats.default_models import DEFAULT_MODELS, DEFAULT_TARGET, status
     from specdecode.models.loader import resolve_source
 
-    name = model or DEFAULT_TARGET
+    name = DEFAULT_TARGET if model is None else model
     if name in DEFAULT_MODELS and status(DEFAULT_MODELS[name]) != "assembled":
         return False  # the default models ship none; assembling one only to look would take a minute
     facts = survey(resolve_source(name, quiet=True))

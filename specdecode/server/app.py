@@ -14,12 +14,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.registry import DRAFTERS, check_options_apply, resolve_spec
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import GenerationEvent
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, quoted
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
 from specdecode.server.errors import APIKeyGuard, install_error_handlers
 from specdecode.server.metrics import ServerMetrics
@@ -52,7 +53,7 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     batching: str = "auto"  # on, off, or auto: on where the target is batch-invariant (scheduler.py)
     kv_memory: int | None = None  # bytes the active requests' KV caches may hold together; None: no bound
-    prefill_chunk: int = 32  # prompt tokens read between two batched steps while others decode; 0: whole prompts
+    prefill_chunk: int | None = None  # prompt tokens a chunk reads; None: about one round of steps' time (scheduler)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -173,7 +174,12 @@ async def read_body(request: Request, schema, limit: int):
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # The client hung up mid-body: no one reads the answer; 499 (nginx's "client closed request") closes the
+        # books, as for a client that leaves while its answer is generated.
+        raise APIError(499, "the client closed the connection before its body arrived", code="client_closed") from None
     if len(raw) > limit:
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
     try:
@@ -215,15 +221,22 @@ def runnable_methods(engine: Engine) -> list[dict]:
 
 def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
     if body.model and body.model != settings.model_name:
-        raise APIError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
+        raise APIError(404, f"model {quoted(body.model)} not found; this server serves {settings.model_name!r}",
                        param="model", code="model_not_found")
-    # The server's default must not turn every request into an error on a small context; an asked-for value may.
-    max_tokens = ((body.max_completion_tokens if chat else None) or body.max_tokens
-                  or min(settings.default_max_tokens, engine.context_limit))
-    if max_tokens > engine.context_limit:
-        raise APIError(400, f"max_tokens {max_tokens} is above the context limit of {engine.context_limit}",
+    asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+    if asked is not None and asked > engine.context_limit:
+        raise APIError(400, f"max_tokens {asked} is above the context limit of {engine.context_limit}",
                        param="max_tokens")
     try:
+        prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
+        prompt_ids = engine.encode(prompt, raw=not chat)
+        room = engine.context_limit - len(prompt_ids)
+        if asked is not None and asked > room:  # as OpenAI answers: the request cannot be served as asked
+            raise SpecDecodeError(f"the prompt's {len(prompt_ids)} tokens and max_tokens {asked} exceed the context "
+                                  f"of {engine.context_limit} tokens; ask for at most {room} max_tokens",
+                                  "max_tokens")
+        # The server's default must not turn a request into an error: it shrinks to the room the prompt leaves.
+        max_tokens = asked or min(settings.default_max_tokens, room)
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                                   min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=body.seed,
@@ -231,13 +244,14 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                                   logprobs=body.logprobs_asked())
         spec = settings.spec
         if body.speculative is not None:
-            asked = body.speculative
-            overrides = {k: v for k, v in (("method", asked.method), ("num_draft_tokens", asked.num_draft_tokens),
-                                           ("verification", asked.verification)) if v is not None}
-            spec = engine.check_spec(replace(spec, **overrides, options=dict(spec.options) | asked.drafter_options()))
-            check_options_apply(resolve_spec(replace(settings.spec, **overrides)).methods, asked.drafter_options())
-        prompt = [{"role": m.role, "content": m.text()} for m in body.messages] if chat else body.prompt
-        prompt_ids = engine.encode(prompt, raw=not chat)
+            speculative = body.speculative
+            overrides = {k: v for k, v in (("method", speculative.method),
+                                           ("num_draft_tokens", speculative.num_draft_tokens),
+                                           ("verification", speculative.verification)) if v is not None}
+            spec = engine.check_spec(replace(spec, **overrides,
+                                             options=dict(spec.options) | speculative.drafter_options()))
+            check_options_apply(resolve_spec(replace(settings.spec, **overrides)).methods,
+                                speculative.drafter_options())
     except SpecDecodeError as error:
         raise APIError(400, str(error), param=error.param) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),
@@ -256,8 +270,9 @@ async def next_event(job: Job) -> GenerationEvent:
 
 
 async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, request: Request) -> dict | Response:
-    text, logprobs, first_token_at = [], [], None
+    text, logprobs, first_token_at, generated = [], [], None, 0
     trace: dict | None = None
+    event = None
     try:
         while True:
             waiter = asyncio.ensure_future(next_event(job))
@@ -270,6 +285,7 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
                     return Response(status_code=499)
             event = waiter.result()
             first_token_at = first_token_at or time.monotonic()
+            generated += len(event.token_ids)
             text.append(event.text)
             logprobs.extend(event.logprobs or ())
             part = shape.provenance(event.token_ids, event.origins, event.step)
@@ -279,6 +295,8 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
                 break
     finally:
         job.cancelled.set()  # a no-op when finished; frees the worker's state when the client left
+        if event is None or event.finish_reason is None:  # ended early (client gone, an error): still generated
+            metrics.generation_tokens.inc(generated)
     metrics.record_generation(event.stats, first_token_at - job.submitted, time.monotonic() - job.submitted)
     metrics.requests.labels(request.url.path, "200").inc()
     return shape.full("".join(text), event.finish_reason, event.stats,
@@ -287,7 +305,7 @@ async def collect(job: Job, shape: ResponseShape, metrics: ServerMetrics, reques
 
 async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, metrics: ServerMetrics,
                         path: str) -> AsyncIterator[str]:
-    first_token_at, counted = None, False
+    first_token_at, counted, finished, generated = None, False, False, 0
     try:
         first = True
         while True:
@@ -300,6 +318,7 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
             first_token_at = first_token_at or time.monotonic()
+            generated += len(event.token_ids)
             # A chunk for every event with text or log-probabilities (tokens whose text is held back still
             # have theirs), the first and the last.
             if event.text or first or event.finish_reason or event.logprobs or event.origins:
@@ -311,7 +330,7 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
                 metrics.record_generation(event.stats, first_token_at - job.submitted,
                                           time.monotonic() - job.submitted)
                 metrics.requests.labels(path, "200").inc()
-                counted = True
+                counted = finished = True
                 if include_usage:
                     yield f"data: {json.dumps(shape.usage_chunk(event.stats))}\n\n"
                 break
@@ -320,3 +339,5 @@ async def stream_events(job: Job, shape: ResponseShape, include_usage: bool, met
         job.cancelled.set()  # client disconnects land here too (the generator is closed)
         if not counted:  # the client left before the end: 499, nginx's "client closed request", as collect()
             metrics.requests.labels(path, "499").inc()
+        if not finished:  # its stats never came: the tokens sent before the end still count as generated
+            metrics.generation_tokens.inc(generated)

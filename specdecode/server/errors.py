@@ -52,19 +52,23 @@ def install_error_handlers(app: FastAPI, count: CountStatus) -> None:
 
 
 class APIKeyGuard:
-    """Every route but the public ones answers 401 without 'Authorization: Bearer KEY' (compared in constant
-    time). An ASGI middleware, so FastAPI's own /docs and /openapi.json are guarded like the rest."""
+    """Every route but the public ones answers 401 without 'Authorization: Bearer KEY' (the key compared in
+    constant time; the scheme's name in any case, as RFC 7235 has it). An ASGI middleware, so FastAPI's own /docs
+    and /openapi.json are guarded like the rest."""
 
     def __init__(self, app: ASGIApp, key: str, public_paths: frozenset[str], count: CountStatus):
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
         self.public_paths = public_paths
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, credentials = given.partition(b" ")
+            bearer = scheme.lower() == b"bearer"
+            # The key is compared whatever the scheme, so the time taken does not tell which of the two was wrong.
+            if not (hmac.compare_digest(credentials.lstrip(b" "), self.expected) and bearer):
                 self.count(scope["path"], 401)
                 error = APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
                 await error_response(error)(scope, receive, send)

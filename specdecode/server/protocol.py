@@ -98,8 +98,16 @@ class _GenerationRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def token_ids(item: Any, most: int | None = None) -> Any:
+    """A prompt's list of token ids, each an `item`; its length (at least one, at most `most`) is published in the
+    schema but checked with the prompt (Engine.check_prompt), whose message says what is wrong with it: as a
+    validation bound, pydantic would report a failed member of the text-or-ids union instead."""
+    bounds = {"minItems": 1} | ({} if most is None else {"maxItems": most})
+    return Annotated[list[item], Field(json_schema_extra=bounds)]
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: NonEmpty | Annotated[list[Int], Field(min_length=1)]
+    prompt: NonEmpty | token_ids(Int)
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(default=None,
                                  description="log-probabilities of each token and of the N most likely alternatives")
 
@@ -144,16 +152,17 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def request_models(model_name: str, vocab_size: int, context_limit: int) -> tuple[type[BaseModel], type[BaseModel]]:
-    """The completion and chat request models of one server, as tight as what it serves: token ids within its
-    vocabulary, max_tokens within its context, and (in the published schema; another name is a 404, as OpenAI
-    answers) its model's name."""
+    """The completion and chat request models of one server, as tight as what it serves: token ids and top_k
+    within its vocabulary, max_tokens within its context, and (in the published schema; another name is a 404,
+    as OpenAI answers) its model's name."""
     budget = integer(ge=1, le=context_limit) | None
     model = Annotated[str | None, Field(json_schema_extra={"enum": [model_name, None]})]
-    ids = Annotated[list[integer(ge=0, lt=vocab_size)], Field(min_length=1, max_length=max(1, context_limit - 1))]
+    ids = token_ids(integer(ge=0, lt=vocab_size), max(1, context_limit - 1))
+    top_k = (integer(ge=0, le=vocab_size) | None, 0)  # more than the vocabulary is a mistake, not "all of it"
     completion = create_model("CompletionRequest", __base__=CompletionRequest, model=(model, None),
-                              max_tokens=(budget, None), prompt=(NonEmpty | ids, ...))
+                              max_tokens=(budget, None), prompt=(NonEmpty | ids, ...), top_k=top_k)
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, model=(model, None),
-                        max_tokens=(budget, None), max_completion_tokens=(budget, None))
+                        max_tokens=(budget, None), max_completion_tokens=(budget, None), top_k=top_k)
     return completion, chat
 
 

@@ -1,7 +1,7 @@
 """One worker thread owns the models and steps every active request; the HTTP side talks to it through queues.
 
 Batched (the default where the target is batch-invariant: w4a8, and bf16 or fp32 on a CPU with the
-fixed-order float layers, see models/batch_invariance.py): each tick is one `Engine.step_many` over all active
+fixed-order float layers, see models/batch_invariance.py): each round is one `Engine.step_many` over all active
 requests, their verify rows in one target forward, so many users share each pass over the weights and the
 draft length shrinks as the batch grows (load_budget.py). Each request's output stays what it would be
 alone, bit for bit. Interleaved (`batching="off"`, and the default for other targets, e.g. on a GPU, whose
@@ -10,9 +10,11 @@ matmuls round differently with more rows): one request's step at a time, as sepa
 Every request's KV cache is sized to it (prompt + max_tokens) and counted against one memory budget
 (`kv_memory`): a request whose cache would not fit waits in the queue until enough ends, never fails for it.
 
-While requests decode, an arriving prompt is read `prefill_chunk` tokens at a time, one chunk between two
-batched steps (engine/prefill.py), so the batch waits for a chunk, not for a whole prompt; with no request
-decoding the prompt is read whole, since no one waits.
+Prompts are read a chunk at a time (engine/prefill.py), one chunk per tick, between two rounds of the active
+requests' steps, the prompts being read taking turns: so a long prompt slows the others but never stops them, a
+short prompt that arrives behind a long one is read after one chunk of it, and between any two chunks the worker
+admits new requests and drops those whose client left or whose time ran out, and sees a shutdown. A chunk is
+sized to take about one round of steps (prefill_pace.py, which states the bound), or a fixed `prefill_chunk`.
 
 The worker drives each request through the engine's one way in: begin -> prefill (a chunk per call) -> step_many
 -> finish, and hands each event to its job. The HTTP side only checks requests (Engine.check_spec builds
@@ -25,6 +27,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
@@ -32,6 +35,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.request import GenerationEvent, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant
+from specdecode.server.prefill_pace import PrefillPace
 
 
 class QueueFull(Exception):
@@ -68,7 +72,7 @@ class Scheduler:
                  kv_memory: int | None = None, prefill_chunk: int | None = None):
         """`batching`: on, off, or auto (on where the target is batch-invariant); `kv_memory`: bytes the active
         requests' target KV caches may hold together (None: no bound beyond max_active); `prefill_chunk`: prompt
-        tokens read between two batched steps while others decode (None or 0: a whole prompt at once)."""
+        tokens each chunk reads (None: as many as take about one round of steps, prefill_pace.py)."""
         if max_active < 1 or max_queued < 1:
             raise SpecDecodeError(f"need at least one active and one queued request, got max_active={max_active} "
                                   f"max_queued={max_queued}")
@@ -76,12 +80,13 @@ class Scheduler:
             raise SpecDecodeError(f"batching is auto, on or off, not {batching!r}")
         if kv_memory is not None and kv_memory < 1:
             raise SpecDecodeError(f"the KV memory budget must be positive, got {kv_memory} bytes")
-        if prefill_chunk is not None and prefill_chunk < 0:
-            raise SpecDecodeError(f"the prefill chunk must be 0 (whole prompts) or more tokens, got {prefill_chunk}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise SpecDecodeError(f"the prefill chunk must be at least 1 token (None: sized by measured times), "
+                                  f"got {prefill_chunk}")
         self.engine = engine
         self.batching = batch_invariant(engine.target.model) if batching == "auto" else batching == "on"
         self.kv_memory = kv_memory
-        self.prefill_chunk = prefill_chunk if self.batching else None  # interleaved: every prompt at once
+        self.pace = PrefillPace(prefill_chunk)
         self.lock = threading.Lock()
         self.max_active = max_active
         self.max_queued = max_queued
@@ -91,7 +96,7 @@ class Scheduler:
         self.pending: queue.Queue[Job] = queue.Queue()
         self.waiting: Job | None = None  # taken from the queue, waiting for KV memory to free up
         self.active: list[tuple[Job, Request]] = []
-        self.starting: list[tuple[Job, Request]] = []  # prompts being read, first first
+        self.starting: deque[tuple[Job, Request]] = deque()  # prompts being read, the next to read a chunk first
         self.draining = False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
@@ -146,11 +151,7 @@ class Scheduler:
 
     def _run(self) -> None:
         while not self.stopped.is_set():
-            self._admit()
-            self._drop_ended()
-            self._read_prompt()
-            if self.active:
-                self._step_active()
+            self._tick()
         for job, request in list(self.active):  # a copy: _end removes each
             self._end(job, request, SpecDecodeError("the server shut down before this request finished"))
         queued = [job for job, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
@@ -159,6 +160,15 @@ class Scheduler:
         for job in queued:  # still queued when the grace ran out: answer them too, or they hang
             job.send(SpecDecodeError("the server shut down before this request started"))
             self._release()
+
+    def _tick(self) -> None:
+        """New requests in, ended ones out, one chunk of a prompt, one round of steps: so a cancellation, a timeout,
+        a new request or a shutdown waits for one chunk and one round at most."""
+        self._admit()
+        self._drop_ended()
+        self._read_prompt()
+        if self.active:
+            self._step_active()
 
     def _release(self) -> None:
         """A request ended (finished, failed, cancelled or timed out): its place is free."""
@@ -202,8 +212,8 @@ class Scheduler:
                 if self.kv_memory is not None and busy and self.kv_bytes + need > self.kv_memory:
                     self.waiting = job  # first in line when enough memory frees up
                     return
-                request = self.engine.begin(job.prompt_ids, job.sampling, job.spec, self.prefill_chunk,
-                                            job.reuse_prefix, job.provenance)
+                request = self.engine.begin(job.prompt_ids, job.sampling, job.spec, reuse_prefix=job.reuse_prefix,
+                                            provenance=job.provenance)
             except Exception as error:  # noqa: BLE001 - a bug in one request's start must not stop the server
                 job.send(error)
                 self._release()
@@ -211,24 +221,27 @@ class Scheduler:
             self.starting.append((job, request))
 
     def _read_prompt(self) -> None:
-        """The next chunk of the first starting request's prompt, or all of it when no request is decoding; a
-        request whose prompt is read joins the active ones."""
+        """One chunk of the prompt whose turn it is; then the next prompt's turn (a request whose prompt is all
+        read joins the active ones)."""
         if not self.starting:
             return
         job, request = self.starting[0]
+        tokens = self.pace.chunk_tokens(request)
+        began = time.perf_counter()
         try:
-            first = self.engine.prefill(request)
-            while first is None and not self.active:  # no one waits: the rest of the prompt now
-                first = self.engine.prefill(request)
+            first = self.engine.prefill(request, tokens)
         except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
-            self.starting.pop(0)
+            self.starting.popleft()
             job.send(error)
             self._release()
             return
-        if first is not None:
-            self.starting.pop(0)
-            self.active.append((job, request))
-            self._send(job, request, first)
+        if first is None:
+            self.pace.observe_chunk(request, tokens, time.perf_counter() - began)
+            self.starting.rotate(-1)  # to the back of the line, in one step: other threads count `starting`
+            return
+        self.starting.popleft()
+        self.active.append((job, request))
+        self._send(job, request, first)
 
     def _drop_ended(self) -> None:
         """Requests whose client went away or whose time ran out leave before the next step."""
@@ -248,9 +261,11 @@ class Scheduler:
     def _step_active(self) -> None:
         """One step of every active request: all in one batch, or one at a time when interleaved. In a method of
         its own so that no local of the worker's loop keeps an ended request's caches alive while it idles."""
+        began = time.perf_counter()
         groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
         for group in groups:
             self._step(group)
+        self.pace.observe_round(time.perf_counter() - began)
 
     def _step(self, group: list[tuple[Job, Request]]) -> None:
         """One step of every request in `group`, in one batch: the unit of fairness between streams."""

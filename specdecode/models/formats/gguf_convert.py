@@ -19,6 +19,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats import gguf_gemma4, gguf_qwen35
 from specdecode.models.formats.atomic_folder import write_folder_atomically
+from specdecode.models.formats.gguf_header import read_header
 from specdecode.models.model_config import ModelConfig, unsupported_message
 from specdecode.models.tokenizer import END_OF_TURN_TOKENS
 
@@ -53,24 +54,19 @@ _NEXTN_PATTERN = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.weight")
 
 
 def open_gguf(path: Path):
-    """A GGUFReader over a checked file: a truncated or foreign file fails here with one clear message."""
+    """A GGUFReader over a checked file: a truncated, foreign or crafted file fails here with one clear message.
+
+    gguf's reader believes every count and offset in the header (a crafted length is an OverflowError, a
+    shape's element count wraps around in uint64): our own header parser checks them all against the file's
+    size first (gguf_header.py)."""
     from gguf import GGUFReader
 
+    read_header(path)
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
-        # The reader's own errors (a failed reshape, a bad dtype view) do not say why; the magic bytes tell a
-        # foreign file from a cut-off one.
-        with path.open("rb") as handle:
-            is_gguf = handle.read(4) == b"GGUF"
-        if not is_gguf:
-            raise SpecDecodeError(f"{path} is not a GGUF file (it does not start with the GGUF magic)") from None
+        # Whatever the reader refuses beyond our checks: still one message, not its traceback.
         raise SpecDecodeError(f"{path} is truncated or corrupt: not a readable GGUF file ({error})") from None
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise SpecDecodeError(f"{path} is truncated: tensor {tensor.name} ends past the end of the file")
-    return reader
 
 
 def field_value(reader, key: str, default=None):

@@ -30,6 +30,7 @@ from specdecode.models.formats.gguf_convert import (
 )
 from specdecode.models.formats.gguf_int4 import q4_k_groups
 from specdecode.models.formats.hybrid_names import VISION_PREFIX, hybrid_mtp_names, hybrid_shapes, hybrid_sources
+from specdecode.models.formats.safetensors_read import read_header
 from specdecode.models.model_config import ModelConfig
 
 ALL_ROWS = slice(None)
@@ -195,6 +196,7 @@ class FolderWeights:
         self._handles = {}
         self._file_of: dict[str, tuple[Path, str]] = {}  # our key (no "model.") -> file and stored key
         for file in files:
+            read_header(file)  # every entry checked against the file: safe_open is handed no crafted offsets
             try:
                 handle = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError) as error:
