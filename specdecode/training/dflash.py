@@ -95,10 +95,10 @@ def block_objective(model: DFlashModel, columns: torch.Tensor, rows: torch.Tenso
         log_q = torch.log_softmax(logits, dim=-1)  # [A, B-1, V]
         per_slot = soft_cross_entropy(log_q, shard, label_at)  # [A, B-1]
         decay = torch.exp(-torch.arange(block - 1, device=device) / DECAY)  # [B-1]
-        loss = (per_slot * valid * decay).sum() / valid.sum().clamp_min(1)
+        loss_sum = (per_slot * valid * decay).sum().view(1)  # [1]: averaged over the valid slots
         correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = [logits.detach()] if keep_logits else []
-        return UnrollResult(loss, correct, counted, kept)
+        return UnrollResult(loss_sum, valid.sum().float().view(1), correct, counted, kept)
 
     return objective
 

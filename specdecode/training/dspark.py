@@ -79,12 +79,12 @@ def dspark_objective(model: DSparkModel, columns: torch.Tensor, rows: torch.Tens
             accepted = (1 - 0.5 * total_variation.detach()).clamp(0, 1)  # [A, B]
             per_slot = per_slot + F.binary_cross_entropy_with_logits(confidence, accepted, reduction="none")
         weight = valid * torch.exp(-torch.arange(block, device=device) / DECAY)  # [A, B]
-        loss = (per_slot * weight).sum() / weight.sum().clamp_min(1e-6)
+        loss_sum = (per_slot * weight).sum().view(1)  # [1]: averaged by the slots' total weight
         correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = []
         if keep_logits:
             kept = [logits.detach()] + ([confidence.detach()] if confidence is not None else [])
-        return UnrollResult(loss, correct, counted, kept)
+        return UnrollResult(loss_sum, weight.sum().float().detach().view(1), correct, counted, kept)
 
     return objective
 
