@@ -10,8 +10,8 @@ layout; mtp writes the target with its new MTP layers (a model folder, and a GGU
 dflash writes a DFlash drafter in z-lab's layout (training/dflash.py: anchored blocks, not the unroll);
 dspark a DSpark drafter in DeepSpec's layout (training/dspark.py: the same blocks, with its two heads).
 
-The same command runs as torchrun's ranks (`torchrun ... -m specdecode train KIND`, or `--nproc N` on this
-host): docs/training.md.
+The same command runs as torchrun's ranks (`torchrun ... -m specdecode train KIND`, or `--nproc N` on this host)
+and writes vLLM's speculators layout on request (`--speculators-layout`): docs/training.md.
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ def add_parser(commands) -> None:
     train.add_argument("--fsdp", action="store_true",
                        help="on several ranks, shard the drafter, its gradients and optimizer state over them "
                        "(FSDP) instead of a whole copy per rank (DDP, the default): for a drafter too large to copy")
+    train.add_argument("--speculators-layout", action="store_true",
+                       help="eagle3, dflash, dspark: write the result in vLLM's speculators layout, which "
+                       "speculators' own classes load (default: the kind's reference layout; both read here and "
+                       "in vLLM)")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(run=run)
 
@@ -131,6 +135,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError("--batch and --nproc must be at least 1")
     if args.kind == "vocab" and (args.nproc or args.fsdp or args.batch):
         raise SpecDecodeError("train vocab counts on one process: --nproc, --fsdp and --batch train drafters")
+    if args.speculators_layout and args.kind not in ("eagle3", *BLOCK_KINDS):
+        raise SpecDecodeError("--speculators-layout is for train eagle3, dflash and dspark (MTP layers are written "
+                              "into the target's own files)")
     if args.nproc and args.batch and args.batch % args.nproc:
         raise SpecDecodeError(f"--batch {args.batch} does not split over {args.nproc} processes: use a multiple "
                               f"of {args.nproc}")
@@ -232,7 +239,8 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
     train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash, "dspark": train_dspark}[args.kind]
-    result = train(target, features, out, settings, args.quiet or not here.main, record)
+    layout = {"speculators": True} if args.speculators_layout else {}
+    result = train(target, features, out, settings, args.quiet or not here.main, record, **layout)
     if here.main:
         ranks_note = f", {here.world} ranks, batch {result['batch']}" if here.world > 1 else ""
         print(f"wrote {out} ({trained_on} training tokens, draft vocabulary {result['draft_vocab']}{ranks_note}); "

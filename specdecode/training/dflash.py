@@ -26,6 +26,7 @@ from torch import nn
 
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.formats.dflash import save_dflash
+from specdecode.models.formats.speculators_export import save_block_speculators
 from specdecode.models.heads.dflash import DFlashConfig, DFlashModel
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
@@ -191,8 +192,10 @@ def _block_mask(starts: torch.Tensor, length: int, block: int) -> torch.Tensor:
 
 
 def train_dflash(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
-    """Train a DFlash drafter on the shards in `features`; write it to `out` in z-lab's layout."""
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+                 speculators: bool = False) -> dict:
+    """Train a DFlash drafter on the shards in `features`; write it to `out` in z-lab's layout (or with
+    `speculators` in vLLM's speculators layout)."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     boundaries = default_layer_ids(target.config.num_layers)
     columns = feature_columns(stored, boundaries, target.config.hidden_size).to(settings.device)
@@ -202,7 +205,12 @@ def train_dflash(target: LoadedModel, features: Path, out: Path, settings: Train
         model = new_dflash(target, settings, settings.block_size)
         model.finish_loading(max_positions(features) + settings.block_size)
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
-        return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors),
-                       lambda folder: save_dflash(model, folder, target.config))
+        def save(folder: Path) -> None:
+            if speculators:
+                save_block_speculators(model, folder, target.config, target.name)
+            else:
+                save_dflash(model, folder, target.config)
+
+        return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors), save)
 
     return train_drafter(build, lambda files: torch.arange(vocab), target, features, out, settings, quiet, on_eval)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.formats.dspark import save_dspark
+from specdecode.models.formats.speculators_export import save_block_speculators
 from specdecode.models.heads.dspark import DSparkHeads, DSparkModel
 from specdecode.models.loader import LoadedModel
 from specdecode.training.dflash import DECAY, anchored_blocks, chained_hits, head_rows, new_dflash, soft_cross_entropy
@@ -90,8 +91,10 @@ def dspark_objective(model: DSparkModel, columns: torch.Tensor, rows: torch.Tens
 
 
 def train_dspark(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
-    """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout."""
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+                 speculators: bool = False) -> dict:
+    """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout (or with
+    `speculators` in vLLM's speculators layout)."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
     boundaries = default_layer_ids(target.config.num_layers)
     columns = feature_columns(stored, boundaries, target.config.hidden_size).to(settings.device)
@@ -103,7 +106,12 @@ def train_dspark(target: LoadedModel, features: Path, out: Path, settings: Train
         model = new_dspark(target, settings, heads)
         model.finish_loading(max_positions(features) + settings.block_size)
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
-        return Trainee("dspark", model, dspark_objective(model, columns, rows, settings.anchors),
-                       lambda folder: save_dspark(model, folder, target.config, settings.anchors))
+        def save(folder: Path) -> None:
+            if speculators:
+                save_block_speculators(model, folder, target.config, target.name)
+            else:
+                save_dspark(model, folder, target.config, settings.anchors)
+
+        return Trainee("dspark", model, dspark_objective(model, columns, rows, settings.anchors), save)
 
     return train_drafter(build, lambda files: torch.arange(vocab), target, features, out, settings, quiet, on_eval)

@@ -229,28 +229,7 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
     converter and llama.cpp's converter all read: `midlayer.*` names, d2t offsets and the t2d mask,
     `draft_vocab_size` written out, ids in vLLM's convention both top-level and in `eagle_config` (a first id of
     2 or more reads the same under SGLang's rule). The embedding is the target's and is not written."""
-    config = head.config
-    if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
-        raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
-                              "are written in the reference layout")
-    layer = config.layer
-    ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
-    qkv = ours.pop("layer.attn.qkv.weight")  # [(h + 2 hkv) D, 2H]
-    q_rows = layer.num_heads * layer.head_dim
-    kv_rows = layer.num_kv_heads * layer.head_dim
-    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)  # [I, H] each
-    published = {"midlayer.self_attn.q_proj.weight": qkv[:q_rows],
-                 "midlayer.self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
-                 "midlayer.self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
-                 "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up}
-    by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
-    by_ours.update({ours_name: "midlayer." + name for name, ours_name in LAYER_NAMES.items()})
-    published.update({by_ours[name]: tensor for name, tensor in ours.items()})
-    draft_to_target = head.draft_to_target.cpu()  # [Vd]
-    published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
-    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)  # [V]
-    t2d[draft_to_target] = True
-    published["t2d"] = t2d
+    config, layer = head.config, head.config.layer
     ids = list(config.layer_ids)
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": layer.hidden_size,
           "intermediate_size": layer.intermediate_size, "num_attention_heads": layer.num_heads,
@@ -263,4 +242,33 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
           "bos_token_id": target_config.bos_token_id, "eos_token_id": list(target_config.eos_token_ids) or None,
           "torch_dtype": "float32"}
-    return write_drafter_folder(folder, published, hf, "the head")
+    return write_drafter_folder(folder, published_tensors(head, "midlayer."), hf, "the head")
+
+
+def published_tensors(head: Eagle3Head, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The head's tensors under the published names, float32: the decoder layer's under `layer_prefix` (the
+    reference's "midlayer.", speculators' "layers.0."), q/k/v and gate/up apart, d2t offsets and the t2d mask.
+    Only heads with the target's embedding, their own lm_head and no norms before fc are written."""
+    config = head.config
+    if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
+        raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
+                              "are written")
+    layer = config.layer
+    ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
+    qkv = ours.pop("layer.attn.qkv.weight")  # [(h + 2 hkv) D, 2H]
+    q_rows = layer.num_heads * layer.head_dim
+    kv_rows = layer.num_kv_heads * layer.head_dim
+    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)  # [I, H] each
+    published = {layer_prefix + "self_attn.q_proj.weight": qkv[:q_rows],
+                 layer_prefix + "self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
+                 layer_prefix + "self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
+                 layer_prefix + "mlp.gate_proj.weight": gate, layer_prefix + "mlp.up_proj.weight": up}
+    by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
+    by_ours.update({ours_name: layer_prefix + name for name, ours_name in LAYER_NAMES.items()})
+    published.update({by_ours[name]: tensor for name, tensor in ours.items()})
+    draft_to_target = head.draft_to_target.cpu()  # [Vd]
+    published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)  # [V]
+    t2d[draft_to_target] = True
+    published["t2d"] = t2d
+    return published
