@@ -10,8 +10,9 @@ layout; mtp writes the target with its new MTP layers (a model folder, and a GGU
 dflash writes a DFlash drafter in z-lab's layout (training/dflash.py: anchored blocks, not the unroll);
 dspark a DSpark drafter in DeepSpec's layout (training/dspark.py: the same blocks, with its two heads).
 
-The same command runs as torchrun's ranks (`torchrun ... -m specdecode train KIND`, or `--nproc N` on this host)
-and writes vLLM's speculators layout on request (`--speculators-layout`): docs/training.md.
+The same command runs as torchrun's ranks (`torchrun ... -m specdecode train KIND`, or `--nproc N` on this host),
+trains on hidden states vLLM wrote (`--vllm-hidden-states`), and writes vLLM's speculators layout on request
+(`--speculators-layout`): docs/training.md.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def add_parser(commands) -> None:
     train.add_argument("--fsdp", action="store_true",
                        help="on several ranks, shard the drafter, its gradients and optimizer state over them "
                        "(FSDP) instead of a whole copy per rank (DDP, the default): for a drafter too large to copy")
+    train.add_argument("--vllm-hidden-states", metavar="DIR",
+                       help="train on hidden states vLLM wrote in speculators' offline layout (DIR/hs_N.safetensors, "
+                       "docs/training.md) instead of computing features here: the target's forwards run in vLLM, "
+                       "across its GPUs; each rank still loads the target, whole, for its embedding, final norm "
+                       "and head")
+    train.add_argument("--vllm-dataset", metavar="DIR",
+                       help="with --vllm-hidden-states: speculators' prepared dataset (its loss masks; default: the "
+                       "hidden states' parent folder, where speculators writes them); needs pyarrow")
+    train.add_argument("--vllm-layer-ids",
+                       help="with --vllm-hidden-states: the layer ids vLLM captured, comma-separated, the last layer "
+                       "included (default: speculators' 2, L/2, L-3, L for a target of L layers)")
     train.add_argument("--speculators-layout", action="store_true",
                        help="eagle3, dflash, dspark: write the result in vLLM's speculators layout, which "
                        "speculators' own classes load (default: the kind's reference layout; both read here and "
@@ -135,6 +147,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError("--batch and --nproc must be at least 1")
     if args.kind == "vocab" and (args.nproc or args.fsdp or args.batch):
         raise SpecDecodeError("train vocab counts on one process: --nproc, --fsdp and --batch train drafters")
+    if (args.vllm_dataset or args.vllm_layer_ids) and not args.vllm_hidden_states:
+        raise SpecDecodeError("--vllm-dataset and --vllm-layer-ids go with --vllm-hidden-states")
     if args.speculators_layout and args.kind not in ("eagle3", *BLOCK_KINDS):
         raise SpecDecodeError("--speculators-layout is for train eagle3, dflash and dspark (MTP layers are written "
                               "into the target's own files)")
@@ -204,7 +218,8 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
     from specdecode.training.mtp import train_mtp
 
     here = ranks.current()
-    features = Path(args.features) if args.features else trained_folder("features", args.target)
+    features = Path(args.features) if args.features else \
+        trained_folder("features-vllm" if args.vllm_hidden_states else "features", args.target)
     for folder in (out, features):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -213,19 +228,22 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
     # Rank 0 first: a GGUF target is converted (or quantized) into the cache once, the others then read it.
     target = ranks.main_first(lambda: load_model(args.target, args.dtype, device, args.quiet or not here.main,
                                                  args.quant))
-    layer_ids = feature_layer_ids(target.config.num_layers)
-    budget = token_budget(args)
-    chatting = ("train", "chat") in budget
-    manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
-                "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
-                "chat": chatting}  # chat prompts shift the texts' ordinals: a folder is made with them or not
-    ranks.main_first(lambda: check_manifest(features, manifest))
-    # Rank 0 has the target list its topics (sampled) once; every rank builds its prompts from the same file.
-    chat = chat_prompts(ranks.main_first(lambda: chat_topics(target, features))) if chatting else None
-    done = extract(target, layer_ids, training_texts(chat), features, budget, args.answer_tokens,
-                   args.max_len, args.quiet, here)
-    trained_on = sum(sum(tokens for (split, _), tokens in rank_done.items() if split == "train")
-                     for rank_done in ranks.gathered(done))  # every rank's features written (and a barrier)
+    if args.vllm_hidden_states:
+        trained_on = from_vllm(args, target, features)
+    else:
+        layer_ids = feature_layer_ids(target.config.num_layers)
+        budget = token_budget(args)
+        chatting = ("train", "chat") in budget
+        manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
+                    "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
+                    "chat": chatting}  # chat prompts shift the texts' ordinals: a folder is made with them or not
+        ranks.main_first(lambda: check_manifest(features, manifest))
+        # Rank 0 has the target list its topics (sampled) once; every rank builds its prompts from the same file.
+        chat = chat_prompts(ranks.main_first(lambda: chat_topics(target, features))) if chatting else None
+        done = extract(target, layer_ids, training_texts(chat), features, budget, args.answer_tokens,
+                       args.max_len, args.quiet, here)
+        trained_on = sum(sum(tokens for (split, _), tokens in rank_done.items() if split == "train")
+                         for rank_done in ranks.gathered(done))  # every rank's features written (and a barrier)
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
     settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind != "mtp" else None,
                              modules=args.num_layers or (2 if args.kind in BLOCK_KINDS else 1), steps=args.unroll,
@@ -246,6 +264,41 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
         print(f"wrote {out} ({trained_on} training tokens, draft vocabulary {result['draft_vocab']}{ranks_note}); "
               f"{describe(result['held_out_accuracy'])}; use it with: {_usage(args, out)}", file=sys.stderr)
     return 0
+
+
+def from_vllm(args: argparse.Namespace, target, features: Path) -> int:
+    """Our features from the hidden states vLLM wrote (training/vllm_features.py), each rank converting its
+    share of the samples -> training tokens, all ranks together."""
+    from specdecode.training import ranks
+    from specdecode.training.eagle3 import feature_layer_ids
+    from specdecode.training.features import check_manifest
+    from specdecode.training.vllm_features import convert, sample_files, sample_length
+
+    hidden_states = Path(args.vllm_hidden_states)
+    dataset = Path(args.vllm_dataset) if args.vllm_dataset else hidden_states.parent
+    layers = target.config.num_layers
+    try:
+        layer_ids = sorted({int(i) for i in args.vllm_layer_ids.split(",")}) if args.vllm_layer_ids else \
+            list(feature_layer_ids(layers))
+    except ValueError:
+        raise SpecDecodeError(f"--vllm-layer-ids must be comma-separated integers, got {args.vllm_layer_ids!r}"
+                              ) from None
+    if layer_ids[-1] != layers or layer_ids[0] < 0:
+        raise SpecDecodeError(f"--vllm-layer-ids {layer_ids}: the last one must be the target's last layer, "
+                              f"{layers} (the soft labels come from it; launch_vllm.py includes it by default)")
+
+    def manifest() -> None:  # rank 0 reads every sample's length once: max_len sizes the drafters' rope tables
+        longest = max(sample_length(path) for path in sample_files(hidden_states).values())
+        check_manifest(features, {"source": "vllm", "target": target.name, "layer_ids": layer_ids,
+                                  "max_len": longest})
+
+    ranks.main_first(manifest)
+    done, skipped = map(sum, zip(*ranks.gathered(convert(target, hidden_states, dataset, len(layer_ids), features,
+                                                         ranks.current()))))
+    if skipped and ranks.current().main:
+        print(f"warning: {skipped} samples' token ids differ from their dataset rows and were skipped, as "
+              "speculators skips them", file=sys.stderr)
+    return done
 
 
 def count_vocabulary(args: argparse.Namespace, out: Path) -> int:

@@ -31,7 +31,7 @@ from specdecode.models.formats.speculators_export import save_block_speculators
 from specdecode.models.heads.dspark import DSparkHeads, DSparkModel
 from specdecode.models.loader import LoadedModel
 from specdecode.training.dflash import DECAY, anchored_blocks, chained_hits, head_rows, new_dflash, soft_cross_entropy
-from specdecode.training.eagle3 import default_layer_ids, feature_columns, max_positions
+from specdecode.training.eagle3 import aux_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter
 from specdecode.training.ttt import UnrollResult
@@ -40,10 +40,12 @@ CE_WEIGHT = 1.0
 TV_WEIGHT = 1.0
 
 
-def new_dspark(target: LoadedModel, settings: TrainSettings, heads: DSparkHeads) -> DSparkModel:
+def new_dspark(target: LoadedModel, settings: TrainSettings, heads: DSparkHeads,
+               boundaries: tuple[int, ...] | None = None) -> DSparkModel:
     """DFlash's starting point (new_dflash) with DSpark's heads: the Markov projection zero, the confidence 0.5."""
     model = new_dflash(target, settings, settings.block_size,
-                       lambda config: DSparkModel(config, heads, target.model.embed, target.model.lm_head))
+                       lambda config: DSparkModel(config, heads, target.model.embed, target.model.lm_head),
+                       boundaries)
     with torch.no_grad():
         if model.markov_head is not None:
             nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
@@ -96,14 +98,14 @@ def train_dspark(target: LoadedModel, features: Path, out: Path, settings: Train
     """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout (or with
     `speculators` in vLLM's speculators layout)."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-    boundaries = default_layer_ids(target.config.num_layers)
+    boundaries = aux_layer_ids(stored, target.config.num_layers)
     columns = feature_columns(stored, boundaries, target.config.hidden_size).to(settings.device)
     vocab = target.config.vocab_size
     heads = DSparkHeads(markov_rank=settings.markov_rank, markov_kind=settings.markov_kind, confidence=True,
                         confidence_with_markov=settings.markov_rank > 0)
 
     def build(draft_ids: torch.Tensor) -> Trainee:
-        model = new_dspark(target, settings, heads)
+        model = new_dspark(target, settings, heads, boundaries)
         model.finish_loading(max_positions(features) + settings.block_size)
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
         def save(folder: Path) -> None:

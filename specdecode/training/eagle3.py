@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.layers import Attention
 from specdecode.models.formats.eagle3 import save_eagle3_head
 from specdecode.models.formats.speculators_export import save_eagle3_speculators
@@ -29,6 +30,19 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 def feature_layer_ids(num_layers: int) -> tuple[int, ...]:
     """The boundaries a features folder keeps: EAGLE-3's three and the last (MTP's), ascending."""
     return tuple(sorted({*default_layer_ids(num_layers), num_layers}))
+
+
+def aux_layer_ids(stored: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The boundaries a head reads from features holding `stored`: EAGLE-3's three where the features keep them
+    (ours always do, and vLLM's hidden states at speculators' default ids), else every stored one but the last
+    layer (vLLM served with other --target-layer-ids)."""
+    wanted = default_layer_ids(num_layers)
+    if set(wanted) <= set(stored):
+        return wanted
+    others = tuple(i for i in stored if i != num_layers)
+    if not others:
+        raise SpecDecodeError("the features hold the last layer alone: a head reads earlier layers too")
+    return others
 
 
 def feature_columns(stored: tuple[int, ...], wanted: tuple[int, ...], width: int) -> torch.Tensor:
@@ -100,7 +114,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
     """Train on the shards in `features` and write the head to `out` (the reference layout, or with
     `speculators` vLLM's speculators layout) -> the last held-out measurement."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-    layer_ids = default_layer_ids(target.config.num_layers)
+    layer_ids = aux_layer_ids(stored, target.config.num_layers)
     columns = feature_columns(stored, layer_ids, target.config.hidden_size)
 
     def build(draft_ids: torch.Tensor) -> Trainee:
