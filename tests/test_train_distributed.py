@@ -86,7 +86,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_process(prepared, eagle3_runs)
 
 def test_fsdp_shards_a_dflash_drafter_and_takes_the_same_steps(prepared):
     folder, features, root = prepared
-    train_on_ranks(2, "dflash", folder, features, root / "fsdp", replace(SETTINGS, fsdp=True), snapshot_at=2, snapshot=root / "fsdp-2")
+    train_on_ranks(2, "dflash", folder, features, root / "fsdp", replace(SETTINGS, fsdp=True), snapshot_at=2,
+                   snapshot=root / "fsdp-2")
     with one_thread():
         train("dflash", folder, features, root / "dflash-one", SETTINGS)
     assert weight_difference(root / "dflash-one", root / "fsdp") <= TOLERANCE

@@ -6,7 +6,7 @@ one line, and this process exits with the failed rank's code, without torchrun's
 from __future__ import annotations
 
 import logging
-import sys
+import os
 
 from specdecode.errors import SpecDecodeError
 
@@ -28,8 +28,6 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 def launch(nproc: int, argv: list[str]) -> int:
     """Run `python -m specdecode ARGV` as `nproc` ranks on this host -> the exit code (the first failed rank's)."""
-    import os
-
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -42,7 +40,5 @@ def launch(nproc: int, argv: list[str]) -> int:
         run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "specdecode", *argv]))
     except ChildFailedError as failure:
         codes = [error.exitcode for error in failure.failures.values()]
-        return next((code for code in codes if code > 0), 1)
-    finally:
-        sys.stdout.flush()
+        return next((code for code in codes if code > 0), 1)  # a rank killed by a signal has a negative code
     return 0

@@ -56,6 +56,9 @@ def start(ranks: Ranks, device: str) -> str:
         if ":" in device:
             raise SpecDecodeError(f"--device {device} names one GPU, but each of the {ranks.world} ranks drives its "
                                   "own (cuda:LOCAL_RANK): use --device cuda")
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise SpecDecodeError(f"this host has {torch.cuda.device_count()} GPUs and torchrun started more ranks on "
+                                  "it: one rank per GPU (--nproc-per-node, --nproc)")
         device = f"cuda:{ranks.local_rank}"
         torch.cuda.set_device(device)
     if ranks.world > 1 and not dist.is_initialized():
@@ -78,6 +81,7 @@ def current() -> Ranks:
 
 
 def joined() -> bool:
+    """Whether this process trains beside others (a process group of more than one rank)."""
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
