@@ -34,8 +34,10 @@ def launch(nproc: int, argv: list[str]) -> int:
     if any(name in os.environ for name in TORCHRUN_VARIABLES):
         raise SpecDecodeError("--nproc launches torchrun, and this process already is a torchrun rank: leave "
                               "--nproc out under torchrun")
-    # torchrun's agent logs each step of a launch and a failed rank's whole report; the ranks say what matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun's agent logs each step of a launch and a failed rank's whole report, and torchrun a banner that it
+    # runs each rank on one thread (docs/training.md says so); the ranks say what matters.
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "specdecode", *argv]))
     except ChildFailedError as failure:
