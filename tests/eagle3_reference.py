@@ -132,6 +132,9 @@ class ReferenceHead:
         q = (u @ w[layer + "self_attn.q_proj.weight"].T).view(count, self.heads, -1).transpose(0, 1)
         k = (u @ w[layer + "self_attn.k_proj.weight"].T).view(count, self.kv_heads, -1).transpose(0, 1)
         v = (u @ w[layer + "self_attn.v_proj.weight"].T).view(count, self.kv_heads, -1).transpose(0, 1)
+        if layer + "self_attn.q_norm.weight" in w:  # a Qwen3-typed layer: RMSNorm per head before rope
+            q = _rms(q, w[layer + "self_attn.q_norm.weight"], self.eps)
+            k = _rms(k, w[layer + "self_attn.k_norm.weight"], self.eps)
         pos = torch.tensor(positions)
         q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
         past = len(self.keys)

@@ -309,3 +309,35 @@ def test_a_w4a8_head_drafts_for_a_whole_batch_in_shared_forwards(tmp_path, monke
     shapes = [(args[0].shape[0], "logits_at" in kwargs) for args, kwargs in calls]  # (sequences, a catch-up?)
     assert any(batch > 1 and not catch_up for batch, catch_up in shapes), "no drafted position ran as a batch"
     assert any(batch > 1 and catch_up for batch, catch_up in shapes), "no catch-up ran as a batch"
+
+
+def test_speculators_heads_saved_with_transformers_5(target8, tmp_path):
+    """speculators 0.9 saves with transformers 5: RoPE only under `rope_parameters`, and for a Qwen3 verifier a
+    Qwen3-typed layer with q_norm and k_norm. Both are read, and the logits follow the published forward."""
+    target, target_folder = target8
+    weights = random_head(HIDDEN, TINY_VOCAB, draft_ids=DRAFT_IDS)
+    generator = torch.Generator().manual_seed(3)
+    weights.update({f"midlayer.self_attn.{name}.weight": 0.6 + 0.8 * torch.rand(16, generator=generator)
+                    for name in ("q_norm", "k_norm")})
+    config = head_config(weights, TINY_VOCAB, "speculators", LAYER_IDS["speculators"], norm_before_residual=False)
+    layer = config["transformer_layer_config"]
+    del layer["rope_theta"]
+    layer |= {"model_type": "qwen3", "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    head, _ = load_eagle3_head(write_head(tmp_path / "qwen3", weights, config, "speculators"), target.model, 512)
+    assert head.config.layer.rope_theta == 5e5 and head.layer.attn.q_norm is not None
+    states = [state[0] for state in hf_states(target_folder, [4, 8, 15, 16, 23])]
+    features = [states[i] for i in LAYER_IDS["speculators"]]
+    reference = ReferenceHead(weights, target.model.embed.weight.detach(), theta=5e5)
+    tokens = [8, 15, 16, 23, 42]
+    with torch.inference_mode():
+        fused = head.fuse(features)
+        logits, _ = head(torch.tensor([tokens]), fused.unsqueeze(0), torch.arange(5).unsqueeze(0), head.new_cache(8))
+        expected, _ = reference.step(tokens, fused, list(range(5)))
+    assert torch.allclose(logits[0], expected, atol=1e-4)
+    layer["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    head, _ = load_eagle3_head(write_head(tmp_path / "scaled", weights, config, "speculators"), target.model, 512)
+    assert head.config.layer.rope_scaling["rope_type"] == "llama3" and head.config.layer.rope_theta == 5e5
+    del weights["midlayer.self_attn.k_norm.weight"]
+    with pytest.raises(SpecDecodeError, match="only one of self_attn.q_norm and self_attn.k_norm"):
+        load_eagle3_head(write_head(tmp_path / "half", weights, config, "speculators"), target.model, 512)

@@ -65,6 +65,7 @@ def run(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_request:  # --help (0) or a parser error (2), already printed
         return exit_request.code if isinstance(exit_request.code, int) else 0
+    args.argv = argv  # what a command that relaunches itself (train --nproc, under torchrun) runs again
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
         return args.run(args)

@@ -9,6 +9,10 @@ on the progress bar and a checkpoint every --eval-every sequences. eagle3 writes
 layout; mtp writes the target with its new MTP layers (a model folder, and a GGUF file for a GGUF target);
 dflash writes a DFlash drafter in z-lab's layout (training/dflash.py: anchored blocks, not the unroll);
 dspark a DSpark drafter in DeepSpec's layout (training/dspark.py: the same blocks, with its two heads).
+
+The same command runs as torchrun's ranks (`torchrun ... -m specdecode train KIND`, or `--nproc N` on this host),
+trains on hidden states vLLM wrote (`--vllm-hidden-states`), and writes vLLM's speculators layout on request
+(`--speculators-layout`): docs/training.md.
 """
 
 from __future__ import annotations
@@ -84,7 +88,34 @@ def add_parser(commands) -> None:
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--lr", type=float, default=3e-4)
     train.add_argument("--eval-every", type=int, default=100,
-                       help="sequences between held-out measurements and checkpoints (default 100)")
+                       help="optimizer steps (of --batch sequences) between held-out measurements and checkpoints "
+                       "(default 100)")
+    train.add_argument("--batch", type=int,
+                       help="sequences per optimizer step, all ranks together, a multiple of the ranks (default: "
+                       "one per rank, or the batch of the checkpoint resumed); the same batch and seed give the "
+                       "same steps on any number of ranks")
+    train.add_argument("--nproc", type=int,
+                       help="train on N processes of this host: the command under torchrun (one per GPU with "
+                       "--device cuda; gloo processes on the CPU); across hosts run torchrun yourself "
+                       "(docs/training.md)")
+    train.add_argument("--fsdp", action="store_true",
+                       help="on several ranks, shard the drafter, its gradients and optimizer state over them "
+                       "(FSDP) instead of a whole copy per rank (DDP, the default): for a drafter too large to copy")
+    train.add_argument("--vllm-hidden-states", metavar="DIR",
+                       help="train on hidden states vLLM wrote in speculators' offline layout (DIR/hs_N.safetensors, "
+                       "docs/training.md) instead of computing features here: the target's forwards run in vLLM, "
+                       "across its GPUs; each rank still loads the target, whole, for its embedding, final norm "
+                       "and head")
+    train.add_argument("--vllm-dataset", metavar="DIR",
+                       help="with --vllm-hidden-states: speculators' prepared dataset (its loss masks; default: the "
+                       "hidden states' parent folder, where speculators writes them); needs pyarrow")
+    train.add_argument("--vllm-layer-ids",
+                       help="with --vllm-hidden-states: the layer ids vLLM captured, comma-separated, the last layer "
+                       "included (default: speculators' 2, L/2, L-3, L for a target of L layers)")
+    train.add_argument("--speculators-layout", action="store_true",
+                       help="eagle3, dflash, dspark: write the result in vLLM's speculators layout, which "
+                       "speculators' own classes load (default: the kind's reference layout; both read here and "
+                       "in vLLM)")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(run=run)
 
@@ -112,6 +143,18 @@ def check_args(args: argparse.Namespace) -> None:
                               "target's layer shape)")
     if not 2 <= args.block_size <= 33:
         raise SpecDecodeError(f"--block-size must be 2..33, got {args.block_size}")
+    if (args.batch is not None and args.batch < 1) or (args.nproc is not None and args.nproc < 1):
+        raise SpecDecodeError("--batch and --nproc must be at least 1")
+    if args.kind == "vocab" and (args.nproc or args.fsdp or args.batch):
+        raise SpecDecodeError("train vocab counts on one process: --nproc, --fsdp and --batch train drafters")
+    if (args.vllm_dataset or args.vllm_layer_ids) and not args.vllm_hidden_states:
+        raise SpecDecodeError("--vllm-dataset and --vllm-layer-ids go with --vllm-hidden-states")
+    if args.speculators_layout and args.kind not in ("eagle3", *BLOCK_KINDS):
+        raise SpecDecodeError("--speculators-layout is for train eagle3, dflash and dspark (MTP layers are written "
+                              "into the target's own files)")
+    if args.nproc and args.batch and args.batch % args.nproc:
+        raise SpecDecodeError(f"--batch {args.batch} does not split over {args.nproc} processes: use a multiple "
+                              f"of {args.nproc}")
 
 
 def training_texts(chat: Iterable | None = None):
@@ -139,7 +182,33 @@ def token_budget(args: argparse.Namespace) -> dict[tuple[str, str], int]:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    from specdecode.models.loader import check_device, load_model
+    from specdecode.models.loader import check_device
+    from specdecode.training import ranks
+
+    check_device(args.device)
+    out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
+    if args.kind == "vocab":
+        return count_vocabulary(args, out)
+    if args.nproc:
+        from specdecode.cli.torchrun import launch, without_nproc
+
+        return launch(args.nproc, without_nproc(args.argv))
+    here = ranks.from_environment()
+    device = ranks.start(here, args.device)
+    try:
+        return train_drafter(args, out, device)
+    except SpecDecodeError:
+        if here.main:
+            raise
+        return 2  # every rank meets a user's error alike (ranks.main_first); rank 0 alone says it
+    finally:
+        ranks.stop()
+
+
+def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
+    """Features, then training, on this rank (one of torchrun's, or the only one)."""
+    from specdecode.models.loader import load_model
+    from specdecode.training import ranks
     from specdecode.training.chat_tasks import chat_prompts, chat_topics
     from specdecode.training.dflash import train_dflash
     from specdecode.training.dspark import train_dspark
@@ -148,34 +217,39 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.training.loop import TrainSettings, describe
     from specdecode.training.mtp import train_mtp
 
-    check_device(args.device)
-    out = Path(args.out) if args.out else trained_folder(args.kind, args.target)
-    if args.kind == "vocab":
-        return count_vocabulary(args, out)
-    features = Path(args.features) if args.features else trained_folder("features", args.target)
+    here = ranks.current()
+    features = Path(args.features) if args.features else \
+        trained_folder("features-vllm" if args.vllm_hidden_states else "features", args.target)
     for folder in (out, features):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise SpecDecodeError(f"cannot write to {folder} ({error})") from None
-    target = load_model(args.target, args.dtype, args.device, args.quiet, args.quant)
-    layer_ids = feature_layer_ids(target.config.num_layers)
-    budget = token_budget(args)
-    chatting = ("train", "chat") in budget
-    manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
-                "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
-                "chat": chatting}  # chat prompts shift the texts' ordinals: a folder is made with them or without
-    check_manifest(features, manifest)
-    chat = chat_prompts(chat_topics(target, features)) if chatting else None
-    done = extract(target, layer_ids, training_texts(chat), features, budget, args.answer_tokens,
-                   args.max_len, args.quiet)
-    trained_on = sum(tokens for (split, _), tokens in done.items() if split == "train")
+    # Rank 0 first: a GGUF target is converted (or quantized) into the cache once, the others then read it.
+    target = ranks.main_first(lambda: load_model(args.target, args.dtype, device, args.quiet or not here.main,
+                                                 args.quant))
+    if args.vllm_hidden_states:
+        trained_on = from_vllm(args, target, features)
+    else:
+        layer_ids = feature_layer_ids(target.config.num_layers)
+        budget = token_budget(args)
+        chatting = ("train", "chat") in budget
+        manifest = {"target": target.name, "quant": target.quant, "dtype": str(target.model.dtype),
+                    "layer_ids": list(layer_ids), "answer_tokens": args.answer_tokens, "max_len": args.max_len,
+                    "chat": chatting}  # chat prompts shift the texts' ordinals: a folder is made with them or not
+        ranks.main_first(lambda: check_manifest(features, manifest))
+        # Rank 0 has the target list its topics (sampled) once; every rank builds its prompts from the same file.
+        chat = chat_prompts(ranks.main_first(lambda: chat_topics(target, features))) if chatting else None
+        done = extract(target, layer_ids, training_texts(chat), features, budget, args.answer_tokens,
+                       args.max_len, args.quiet, here)
+        trained_on = sum(sum(tokens for (split, _), tokens in rank_done.items() if split == "train")
+                         for rank_done in ranks.gathered(done))  # every rank's features written (and a barrier)
     mlp_width = args.intermediate_size or target.config.intermediate_size // 2
     settings = TrainSettings(draft_vocab=args.draft_vocab, intermediate_size=mlp_width if args.kind != "mtp" else None,
                              modules=args.num_layers or (2 if args.kind in BLOCK_KINDS else 1), steps=args.unroll,
                              block_size=args.block_size, anchors=args.anchors, markov_rank=args.markov_rank,
                              markov_kind=args.markov_head, epochs=args.epochs, lr=args.lr,
-                             eval_every=args.eval_every, device=args.device)
+                             eval_every=args.eval_every, batch=args.batch, device=device, fsdp=args.fsdp)
     curve_file = out / "learning_curve.jsonl"
 
     def record(step: int, tokens: int, accuracy: dict[str, list[float]]) -> None:
@@ -183,10 +257,48 @@ def run(args: argparse.Namespace) -> int:
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
     train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash, "dspark": train_dspark}[args.kind]
-    result = train(target, features, out, settings, args.quiet, record)
-    print(f"wrote {out} ({trained_on} training tokens, draft vocabulary {result['draft_vocab']}); "
-          f"{describe(result['held_out_accuracy'])}; use it with: {_usage(args, out)}", file=sys.stderr)
+    layout = {"speculators": True} if args.speculators_layout else {}
+    result = train(target, features, out, settings, args.quiet or not here.main, record, **layout)
+    if here.main:
+        ranks_note = f", {here.world} ranks, batch {result['batch']}" if here.world > 1 else ""
+        print(f"wrote {out} ({trained_on} training tokens, draft vocabulary {result['draft_vocab']}{ranks_note}); "
+              f"{describe(result['held_out_accuracy'])}; use it with: {_usage(args, out)}", file=sys.stderr)
     return 0
+
+
+def from_vllm(args: argparse.Namespace, target, features: Path) -> int:
+    """Our features from the hidden states vLLM wrote (training/vllm_features.py), each rank converting its
+    share of the samples -> training tokens, all ranks together."""
+    from specdecode.training import ranks
+    from specdecode.training.eagle3 import feature_layer_ids
+    from specdecode.training.features import check_manifest
+    from specdecode.training.vllm_features import convert, sample_files, sample_length
+
+    hidden_states = Path(args.vllm_hidden_states)
+    dataset = Path(args.vllm_dataset) if args.vllm_dataset else hidden_states.parent
+    layers = target.config.num_layers
+    try:
+        layer_ids = sorted({int(i) for i in args.vllm_layer_ids.split(",")}) if args.vllm_layer_ids else \
+            list(feature_layer_ids(layers))
+    except ValueError:
+        raise SpecDecodeError(f"--vllm-layer-ids must be comma-separated integers, got {args.vllm_layer_ids!r}"
+                              ) from None
+    if layer_ids[-1] != layers or layer_ids[0] < 0:
+        raise SpecDecodeError(f"--vllm-layer-ids {layer_ids}: the last one must be the target's last layer, "
+                              f"{layers} (the soft labels come from it; launch_vllm.py includes it by default)")
+
+    def manifest() -> None:  # rank 0 reads every sample's length once: max_len sizes the drafters' rope tables
+        longest = max(sample_length(path) for path in sample_files(hidden_states).values())
+        check_manifest(features, {"source": "vllm", "target": target.name, "layer_ids": layer_ids,
+                                  "max_len": longest})
+
+    ranks.main_first(manifest)
+    done, skipped = map(sum, zip(*ranks.gathered(convert(target, hidden_states, dataset, len(layer_ids), features,
+                                                         ranks.current()))))
+    if skipped and ranks.current().main:
+        print(f"warning: {skipped} samples' token ids differ from their dataset rows and were skipped, as "
+              "speculators skips them", file=sys.stderr)
+    return done
 
 
 def count_vocabulary(args: argparse.Namespace, out: Path) -> int:

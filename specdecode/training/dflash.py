@@ -26,10 +26,11 @@ from torch import nn
 
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.formats.dflash import save_dflash
+from specdecode.models.formats.speculators_export import save_block_speculators
 from specdecode.models.heads.dflash import DFlashConfig, DFlashModel
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
-from specdecode.training.eagle3 import default_layer_ids, feature_columns, max_positions
+from specdecode.training.eagle3 import aux_layer_ids, default_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
 from specdecode.training.from_target import dense_weight
 from specdecode.training.loop import Trainee, TrainSettings, bf16_fast, train_drafter
@@ -39,10 +40,12 @@ DECAY = 4.0  # slot j's loss weighs exp(-(j-1)/DECAY), as DeepSpec's and specula
 
 
 def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int,
-               make: Callable[[DFlashConfig], DFlashModel] | None = None) -> DFlashModel:
+               make: Callable[[DFlashConfig], DFlashModel] | None = None,
+               boundaries: tuple[int, ...] | None = None) -> DFlashModel:
     """`settings.modules` layers starting from the target's last ones (attention and norms; the MLP too when its
     width is the target's), the fc random, the output norm the target's; `make(config)` builds the model (a
-    DSpark drafter adds its heads), else a DFlash drafter."""
+    DSpark drafter adds its heads), else a DFlash drafter; it reads the target's `boundaries` (default:
+    EAGLE-3's)."""
     tc = target.config
     layer = ModelConfig(architecture="qwen3", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
                         intermediate_size=settings.intermediate_size or tc.intermediate_size,
@@ -50,7 +53,7 @@ def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int,
                         head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
                         rope_scaling=tc.rope_scaling, max_position_embeddings=tc.max_position_embeddings,
                         qk_norm=True, qkv_bias=tc.qkv_bias, o_bias=tc.qkv_bias)
-    ids = tuple(b - 1 for b in default_layer_ids(tc.num_layers))  # EAGLE-3's boundaries, in DFlash's ids
+    ids = tuple(b - 1 for b in boundaries or default_layer_ids(tc.num_layers))  # in DFlash's "output of" ids
     config = DFlashConfig(layer=layer, target_layer_ids=ids, block_size=block_size, mask_token_id=tc.vocab_size - 1,
                           target_hidden_size=tc.hidden_size, causal_layers=(False,) * settings.modules,
                           windows=(None,) * settings.modules)
@@ -95,10 +98,10 @@ def block_objective(model: DFlashModel, columns: torch.Tensor, rows: torch.Tenso
         log_q = torch.log_softmax(logits, dim=-1)  # [A, B-1, V]
         per_slot = soft_cross_entropy(log_q, shard, label_at)  # [A, B-1]
         decay = torch.exp(-torch.arange(block - 1, device=device) / DECAY)  # [B-1]
-        loss = (per_slot * valid * decay).sum() / valid.sum().clamp_min(1)
+        loss_sum = (per_slot * valid * decay).sum().view(1)  # [1]: averaged over the valid slots
         correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = [logits.detach()] if keep_logits else []
-        return UnrollResult(loss, correct, counted, kept)
+        return UnrollResult(loss_sum, valid.sum().float().view(1), correct, counted, kept)
 
     return objective
 
@@ -191,18 +194,25 @@ def _block_mask(starts: torch.Tensor, length: int, block: int) -> torch.Tensor:
 
 
 def train_dflash(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
-    """Train a DFlash drafter on the shards in `features`; write it to `out` in z-lab's layout."""
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+                 speculators: bool = False) -> dict:
+    """Train a DFlash drafter on the shards in `features`; write it to `out` in z-lab's layout (or with
+    `speculators` in vLLM's speculators layout)."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-    boundaries = default_layer_ids(target.config.num_layers)
+    boundaries = aux_layer_ids(stored, target.config.num_layers)
     columns = feature_columns(stored, boundaries, target.config.hidden_size).to(settings.device)
     vocab = target.config.vocab_size
 
     def build(draft_ids: torch.Tensor) -> Trainee:
-        model = new_dflash(target, settings, settings.block_size)
+        model = new_dflash(target, settings, settings.block_size, boundaries=boundaries)
         model.finish_loading(max_positions(features) + settings.block_size)
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
-        return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors),
-                       lambda folder: save_dflash(model, folder, target.config))
+        def save(folder: Path) -> None:
+            if speculators:
+                save_block_speculators(model, folder, target.config, target.name)
+            else:
+                save_dflash(model, folder, target.config)
+
+        return Trainee("dflash", model, block_objective(model, columns, rows, settings.anchors), save)
 
     return train_drafter(build, lambda files: torch.arange(vocab), target, features, out, settings, quiet, on_eval)

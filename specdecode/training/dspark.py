@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.formats.dspark import save_dspark
+from specdecode.models.formats.speculators_export import save_block_speculators
 from specdecode.models.heads.dspark import DSparkHeads, DSparkModel
 from specdecode.models.loader import LoadedModel
 from specdecode.training.dflash import DECAY, anchored_blocks, chained_hits, head_rows, new_dflash, soft_cross_entropy
-from specdecode.training.eagle3 import default_layer_ids, feature_columns, max_positions
+from specdecode.training.eagle3 import aux_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter
 from specdecode.training.ttt import UnrollResult
@@ -39,10 +40,12 @@ CE_WEIGHT = 1.0
 TV_WEIGHT = 1.0
 
 
-def new_dspark(target: LoadedModel, settings: TrainSettings, heads: DSparkHeads) -> DSparkModel:
+def new_dspark(target: LoadedModel, settings: TrainSettings, heads: DSparkHeads,
+               boundaries: tuple[int, ...] | None = None) -> DSparkModel:
     """DFlash's starting point (new_dflash) with DSpark's heads: the Markov projection zero, the confidence 0.5."""
     model = new_dflash(target, settings, settings.block_size,
-                       lambda config: DSparkModel(config, heads, target.model.embed, target.model.lm_head))
+                       lambda config: DSparkModel(config, heads, target.model.embed, target.model.lm_head),
+                       boundaries)
     with torch.no_grad():
         if model.markov_head is not None:
             nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
@@ -79,31 +82,38 @@ def dspark_objective(model: DSparkModel, columns: torch.Tensor, rows: torch.Tens
             accepted = (1 - 0.5 * total_variation.detach()).clamp(0, 1)  # [A, B]
             per_slot = per_slot + F.binary_cross_entropy_with_logits(confidence, accepted, reduction="none")
         weight = valid * torch.exp(-torch.arange(block, device=device) / DECAY)  # [A, B]
-        loss = (per_slot * weight).sum() / weight.sum().clamp_min(1e-6)
+        loss_sum = (per_slot * weight).sum().view(1)  # [1]: averaged by the slots' total weight
         correct, counted = chained_hits(log_q.argmax(-1), shard, label_at, valid)
         kept = []
         if keep_logits:
             kept = [logits.detach()] + ([confidence.detach()] if confidence is not None else [])
-        return UnrollResult(loss, correct, counted, kept)
+        return UnrollResult(loss_sum, weight.sum().float().detach().view(1), correct, counted, kept)
 
     return objective
 
 
 def train_dspark(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
-    """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout."""
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+                 speculators: bool = False) -> dict:
+    """Train a DSpark drafter on the shards in `features`; write it to `out` in DeepSpec's layout (or with
+    `speculators` in vLLM's speculators layout)."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-    boundaries = default_layer_ids(target.config.num_layers)
+    boundaries = aux_layer_ids(stored, target.config.num_layers)
     columns = feature_columns(stored, boundaries, target.config.hidden_size).to(settings.device)
     vocab = target.config.vocab_size
     heads = DSparkHeads(markov_rank=settings.markov_rank, markov_kind=settings.markov_kind, confidence=True,
                         confidence_with_markov=settings.markov_rank > 0)
 
     def build(draft_ids: torch.Tensor) -> Trainee:
-        model = new_dspark(target, settings, heads)
+        model = new_dspark(target, settings, heads, boundaries)
         model.finish_loading(max_positions(features) + settings.block_size)
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
-        return Trainee("dspark", model, dspark_objective(model, columns, rows, settings.anchors),
-                       lambda folder: save_dspark(model, folder, target.config, settings.anchors))
+        def save(folder: Path) -> None:
+            if speculators:
+                save_block_speculators(model, folder, target.config, target.name)
+            else:
+                save_dspark(model, folder, target.config, settings.anchors)
+
+        return Trainee("dspark", model, dspark_objective(model, columns, rows, settings.anchors), save)
 
     return train_drafter(build, lambda files: torch.arange(vocab), target, features, out, settings, quiet, on_eval)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.layers import Attention
 from specdecode.models.formats.eagle3 import save_eagle3_head
+from specdecode.models.formats.speculators_export import save_eagle3_speculators
 from specdecode.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
@@ -28,6 +30,19 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 def feature_layer_ids(num_layers: int) -> tuple[int, ...]:
     """The boundaries a features folder keeps: EAGLE-3's three and the last (MTP's), ascending."""
     return tuple(sorted({*default_layer_ids(num_layers), num_layers}))
+
+
+def aux_layer_ids(stored: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The boundaries a head reads from features holding `stored`: EAGLE-3's three where the features keep them
+    (ours always do, and vLLM's hidden states at speculators' default ids), else every stored one but the last
+    layer (vLLM served with other --target-layer-ids)."""
+    wanted = default_layer_ids(num_layers)
+    if set(wanted) <= set(stored):
+        return wanted
+    others = tuple(i for i in stored if i != num_layers)
+    if not others:
+        raise SpecDecodeError("the features hold the last layer alone: a head reads earlier layers too")
+    return others
 
 
 def feature_columns(stored: tuple[int, ...], wanted: tuple[int, ...], width: int) -> torch.Tensor:
@@ -94,17 +109,24 @@ def new_head(target: LoadedModel, layer_ids: tuple[int, ...], draft_ids: torch.T
 
 
 def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
-                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
-    """Train on the shards in `features` and write the head to `out` -> the last held-out measurement."""
+                 on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+                 speculators: bool = False) -> dict:
+    """Train on the shards in `features` and write the head to `out` (the reference layout, or with
+    `speculators` vLLM's speculators layout) -> the last held-out measurement."""
     stored = tuple(json.loads((features / "manifest.json").read_text())["layer_ids"])
-    layer_ids = default_layer_ids(target.config.num_layers)
+    layer_ids = aux_layer_ids(stored, target.config.num_layers)
     columns = feature_columns(stored, layer_ids, target.config.hidden_size)
 
     def build(draft_ids: torch.Tensor) -> Trainee:
         head = new_head(target, layer_ids, draft_ids, settings)
         head.finish_loading(max_positions(features))
-        return Trainee("eagle3", head, unrolled(Eagle3Unroll(head, columns), settings.steps),
-                       lambda folder: save_eagle3_head(head, folder, target.config))
+        def save(folder: Path) -> None:
+            if speculators:
+                save_eagle3_speculators(head, folder, target.config, target.name)
+            else:
+                save_eagle3_head(head, folder, target.config)
+
+        return Trainee("eagle3", head, unrolled(Eagle3Unroll(head, columns), settings.steps), save)
 
     def vocabulary(files: list[Path]) -> torch.Tensor:
         return draft_vocabulary(files, settings.draft_vocab, target.config.vocab_size)

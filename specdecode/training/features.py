@@ -26,6 +26,7 @@ from tqdm import tqdm
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import LoadedModel
 from specdecode.training.data import TrainingText
+from specdecode.training.ranks import Ranks
 
 TOP_K = 32
 MANIFEST = "manifest.json"
@@ -73,6 +74,16 @@ def check_manifest(folder: Path, manifest: dict) -> None:
     partial.replace(path)
 
 
+def shard_ordinal(path: Path) -> int:
+    """The ordinal of a shard's text in its split, from its name (ORDINAL-KIND.safetensors)."""
+    return int(path.stem.split("-", 1)[0])
+
+
+def share_of(tokens: int, ranks: Ranks) -> int:
+    """A rank's part of a token budget: the parts of all ranks add up to it."""
+    return tokens * (ranks.rank + 1) // ranks.world - tokens * ranks.rank // ranks.world
+
+
 def shard_kind(path: Path) -> str:
     """The kind of text a shard holds ("answer", "chat" or "code", as TrainingText.kind), from its name
     (ORDINAL-KIND.safetensors)."""
@@ -97,25 +108,29 @@ def write_shard(model, path: Path, ids: list[int], loss_from: int, layer_ids: tu
 
 @torch.inference_mode()
 def extract(target: LoadedModel, layer_ids: tuple[int, ...], texts: Iterable[TrainingText], folder: Path,
-            token_budget: dict[tuple[str, str], int], answer_tokens: int, max_len: int, quiet: bool = False
-            ) -> dict[tuple[str, str], int]:
+            token_budget: dict[tuple[str, str], int], answer_tokens: int, max_len: int, quiet: bool = False,
+            ranks: Ranks = Ranks()) -> dict[tuple[str, str], int]:
     """Write a shard per sequence into folder/train and folder/held_out until each (split, kind)'s token budget
     is met: a prompt becomes the chat-templated prompt and the target's own greedy answer (loss on the answer;
     prompts are answered ANSWER_GROUP at a time), code stays as it is (loss everywhere). A shard is named by its
-    text's ordinal in its split, so a rerun skips what an earlier run wrote (texts come in a fixed order). -> tokens
-    per (split, kind)."""
+    text's ordinal in its split, so a rerun skips what an earlier run wrote (texts come in a fixed order).
+
+    Over several ranks, each owns the texts whose ordinal is its rank modulo the world size and fills its share
+    of each budget with them: no text is computed twice, none a rank needs is skipped, and a rerun on another
+    number of ranks counts each written shard once (for its new owner). -> this rank's tokens per (split, kind)."""
     from specdecode.training.answers import ANSWER_GROUP, Answerer
 
     answerer = Answerer(target, answer_tokens)
+    token_budget = {key: share_of(tokens, ranks) for key, tokens in token_budget.items()}
     done = dict.fromkeys(token_budget, 0)
     for split, kind in token_budget:
         (folder / split).mkdir(parents=True, exist_ok=True)
         for path in shard_files(folder, split):
-            if shard_kind(path) == kind:
+            if shard_kind(path) == kind and shard_ordinal(path) % ranks.world == ranks.rank:
                 done[split, kind] += int(load_file(str(path))["tokens"].numel())
     total = sum(token_budget.values())
     bar = tqdm(total=total, initial=min(total, sum(done.values())), unit="tok", desc="target features",
-               disable=quiet)
+               disable=quiet or not ranks.main)  # rank 0's share stands for every rank's
     ordinal = {split: -1 for split, _ in token_budget}
     pending: list[tuple[Path, tuple[str, str], list[int]]] = []  # prompts waiting for their answers
 
@@ -139,6 +154,8 @@ def extract(target: LoadedModel, layer_ids: tuple[int, ...], texts: Iterable[Tra
         if key not in token_budget:
             continue
         ordinal[key[0]] += 1
+        if ordinal[key[0]] % ranks.world != ranks.rank:  # another rank's text
+            continue
         queued = sum(len(prompt) + answer_tokens for _, queued_key, prompt in pending if queued_key == key)
         if pending and done[key] + queued >= token_budget[key]:  # what waits may meet the budget: answer it first
             answer_pending()

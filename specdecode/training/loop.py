@@ -1,6 +1,8 @@
 """The one training loop for every drafter kind: epochs of the training-time test (ttt.py) over features on disk
 (features.py), held-out acceptance as it goes, resumable checkpoints, a learning curve; a kind supplies what it
-trains and how it writes the result (`Trainee`: training/eagle3.py, training/mtp.py)."""
+trains and how it writes the result (`Trainee`: training/eagle3.py, training/mtp.py). The same loop runs as one
+process or as torchrun's ranks (ranks.py), the drafter copied to each under DDP or sharded under FSDP
+(parallel.py), with checkpoints any number of ranks resumes (checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import LoadedModel
+from specdecode.training.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from specdecode.training.features import Shard, load_shard, shard_files, shard_kind
-from specdecode.training.ttt import UnrollLayer, UnrollResult, unroll
-
-CHECKPOINT = "checkpoint.pt"
+from specdecode.training.parallel import Objective, distribute, full_state, load_full_state, sharded, whole_parameters
+from specdecode.training.ranks import Ranks, gathered, sum_over_ranks, wait_for_all
+from specdecode.training.ranks import current as current_ranks
+from specdecode.training.ttt import UnrollLayer, UnrollResult, average_terms, unroll
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,9 @@ class TrainSettings:
     warmup: float = 0.05  # share of the steps with a linearly rising learning rate
     eval_every: int = 100  # optimizer steps between held-out measurements (and checkpoints)
     seed: int = 0
+    batch: int | None = None  # sequences per optimizer step, all ranks together (None: one per rank, or resumed)
     device: str = "cpu"
+    fsdp: bool = False  # shard the drafter over the ranks (parallel.py) instead of copying it to each
 
 
 @dataclass
@@ -63,63 +69,114 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
                   target: LoadedModel, features: Path, out: Path, settings: TrainSettings, quiet: bool = False,
                   on_eval: Callable[[int, int, dict[str, list[float]]], None] | None = None) -> dict:
     """Train what `build(draft_ids)` makes, draft_ids [Vd] from `vocabulary(training shards)` (or the checkpoint
-    being resumed), on the shards in `features`; write it to `out` -> the last held-out measurement."""
+    being resumed), on the shards in `features`; write it to `out` -> the last held-out measurement.
+
+    On several ranks (ranks.py) each optimizer step takes the next `batch` sequences of one order every rank
+    computes alike, each rank its share; each loss term is averaged over the rows of the whole batch (the
+    ranks sum their terms' weights first), so the step is the one a single process takes, whatever the world
+    size. Rank 0 alone writes, logs and shows the progress bar; `on_eval` is called on rank 0 only."""
+    ranks = current_ranks()
     train_files, held_out = shard_files(features, "train"), shard_files(features, "held_out")
     if not train_files:
         raise SpecDecodeError(f"{features} holds no training features")
+    listing = [f"{p.parent.name}/{p.name}" for p in train_files + held_out]
+    if any(seen != listing for seen in gathered(listing)):  # every rank sees every rank's listing: all fail alike
+        raise SpecDecodeError(f"the ranks see different shards in {features}: across hosts, --features and --out "
+                              "must be on a filesystem every host reads")
     target.model.requires_grad_(False)  # frozen: its embedding and head feed the drafter, no gradient reaches it
     checkpoint = out / CHECKPOINT
-    state = _resumed(checkpoint, settings.device)
+    state = read_checkpoint(checkpoint, settings.device)
+    batch = settings.batch or (state["made_with"]["batch"] if state is not None else ranks.world)
+    if batch % ranks.world:
+        raise SpecDecodeError(f"a batch of {batch} sequences does not split over {ranks.world} ranks: use a --batch "
+                              f"that is a multiple of {ranks.world}")
     draft_ids = state["draft_ids"] if state is not None else vocabulary(train_files)
     trainee = build(draft_ids)
-    made_with = _made_with(trainee.kind, settings, train_files + held_out)
+    made_with = _made_with(trainee.kind, settings, batch, train_files + held_out)
     if state is not None and state["made_with"] != made_with:
         changed = sorted(k for k in made_with if state["made_with"].get(k) != made_with[k])
         raise SpecDecodeError(f"{checkpoint} was made with other settings ({', '.join(changed)}); use another "
                               "--out or the same settings")
     lengths = {p: load_shard(p).tokens.numel() for p in train_files + held_out}  # read once, used twice
-    trainable = [p for p in trainee.module.parameters() if p.requires_grad]
+    autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
+                              enabled=bf16_fast(settings.device))
+    objective = Objective(trainee.module, trainee.objective, autocast)
+    model = distribute(objective, ranks, settings.device, settings.fsdp)
+    trainable = [p for p in objective.parameters() if p.requires_grad]  # sharded in place by FSDP: after it
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    total = settings.epochs * len(train_files)
+    total = settings.epochs * len(train_files) // batch  # optimizer steps (the last partial batch is left out)
+    if total == 0:
+        raise SpecDecodeError(f"{len(train_files)} training sequences make no whole batch of {batch}: use a "
+                              "smaller --batch or more --tokens")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, total, settings.warmup))
     step = 0
     if state is not None:
-        trainee.module.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
+        load_full_state(objective, optimizer, state["head"], state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step = state["step"]
     target_to_draft = draft_positions(draft_ids, target.config.vocab_size, settings.device)  # [V]
-    autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
-                              enabled=bf16_fast(settings.device))
-    order = [path for epoch in range(settings.epochs) for path in _shuffled(train_files, settings.seed + epoch)]
-    measured = evaluate(trainee.objective, held_out, target_to_draft, settings, autocast) if step == 0 \
-        else state["measured"]
-    tokens_seen = sum(lengths[p] for p in order[:step])  # for the learning curve
-    bar = tqdm(total=total, initial=step, unit="seq", desc=f"training {trainee.kind}", disable=quiet)
+    order = data_order(train_files, settings.epochs, settings.seed)
+
+    def measure() -> dict[str, list[float]]:
+        with whole_parameters(objective):
+            return evaluate(trainee.objective, held_out, target_to_draft, settings, autocast)
+
+    measured = measure() if step == 0 else state["measured"]
+    tokens_seen = sum(lengths[p] for p in order[: step * batch])  # for the learning curve
+    bar = tqdm(total=total * batch, initial=step * batch, unit="seq", desc=f"training {trainee.kind}",
+               disable=quiet or not ranks.main)
     bar.set_postfix_str(describe(measured))
-    if on_eval is not None and step == 0:
+    if on_eval is not None and step == 0 and ranks.main:
         on_eval(step, 0, measured)
-    for path in order[step:]:
-        shard = _to(load_shard(path), settings.device)
-        with autocast:
-            result = trainee.objective(shard, target_to_draft)
+    while step < total:
+        chosen = order[step * batch : (step + 1) * batch]  # the step's global batch
+        shards = [_to(load_shard(path), settings.device) for path in ranks.share(chosen)]
+        sums, weights = model(shards, target_to_draft)  # [n_terms] each, this rank's sequences
+        all_weights = sum_over_ranks(weights)  # [n_terms]: every rank's rows
+        # DDP and FSDP average gradients over ranks: scaled by the world size, the sum of the ranks' terms over
+        # all rows is what one process computes over the whole batch.
+        loss = average_terms(sums, all_weights) * ranks.world
         optimizer.zero_grad(set_to_none=True)
-        result.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         optimizer.step()
         schedule.step()
         step += 1
-        tokens_seen += shard.tokens.numel()
-        bar.update(1)
+        tokens_seen += sum(lengths[p] for p in chosen)
+        bar.update(batch)
         if step % settings.eval_every == 0 or step == total:
-            measured = evaluate(trainee.objective, held_out, target_to_draft, settings, autocast)
-            _save_checkpoint(checkpoint, trainee.module, optimizer, schedule, step, draft_ids, made_with, measured)
-            if on_eval is not None:
-                on_eval(step, tokens_seen, measured)
-        bar.set_postfix_str(f"loss {result.loss.item():.3f} | {describe(measured)}")
+            measured = measure()
+            head, optimizer_state = full_state(objective, optimizer)  # every rank takes part in gathering
+            if ranks.main:
+                write_checkpoint(checkpoint, head, optimizer_state, schedule.state_dict(), step, draft_ids,
+                                 made_with, measured)
+                if on_eval is not None:
+                    on_eval(step, tokens_seen, measured)
+        step_loss = average_terms(sum_over_ranks(sums), all_weights)  # the whole batch's, as one process has it
+        bar.set_postfix_str(f"loss {step_loss.item():.3f} | {describe(measured)}")
     bar.close()
-    trainee.save(out)
-    return {"held_out_accuracy": measured, "steps": step, "draft_vocab": draft_ids.numel()}
+    _write_result(trainee, build, draft_ids, objective, optimizer, out, ranks)
+    return {"held_out_accuracy": measured, "steps": step, "draft_vocab": draft_ids.numel(), "batch": batch}
+
+
+def data_order(files: list[Path], epochs: int, seed: int) -> list[Path]:
+    """Every epoch's shuffle of the training shards, one after the other: step s takes the s-th batch of it,
+    whatever the number of ranks, so a run resumes at its step on any number of them."""
+    return [path for epoch in range(epochs) for path in _shuffled(files, seed + epoch)]
+
+
+def _write_result(trainee: Trainee, build: Callable[[torch.Tensor], Trainee], draft_ids: torch.Tensor,
+                  objective: Objective, optimizer, out: Path, ranks: Ranks) -> None:
+    """Rank 0 writes the trained drafter; a sharded one is first gathered whole into a new drafter of its own."""
+    if sharded(objective):
+        head, _ = full_state(objective, optimizer)
+        if ranks.main:
+            whole = build(draft_ids)
+            whole.module.load_state_dict(head)
+            whole.save(out)
+    elif ranks.main:
+        trainee.save(out)
+    wait_for_all()  # no rank leaves before the result is written
 
 
 @torch.no_grad()
@@ -128,17 +185,27 @@ def evaluate(objective: Callable[[Shard, torch.Tensor], UnrollResult], files: li
     """Per held-out kind (TrainingText.kind: "answer" and "chat", the target's own answers to standard-library
     tasks and to chat-like prompts; "code", teacher-forced code) and draft position,
     how often the drafter's draft is the target's own next token (draft position k's acceptance given the drafts
-    before it were right; a next token outside the draft vocabulary counts as a miss)."""
-    correct: dict[str, list[int]] = {}
-    counted: dict[str, list[int]] = {}
-    for path in files:
+    before it were right; a next token outside the draft vocabulary counts as a miss). On several ranks each
+    measures its share of the files and the counts are added: every file is measured once."""
+    mine: dict[str, tuple[list[int], list[int]]] = {}  # kind -> (correct, counted) per draft position
+    for path in current_ranks().share(files):
         shard = _to(load_shard(path), settings.device)
         with autocast:
             result = objective(shard, target_to_draft)
-        kind = shard_kind(path)
-        correct[kind] = [a + b for a, b in zip(correct.get(kind, [0] * len(result.correct)), result.correct)]
-        counted[kind] = [a + b for a, b in zip(counted.get(kind, [0] * len(result.counted)), result.counted)]
+        so_far = mine.get(shard_kind(path))
+        mine[shard_kind(path)] = (_added(so_far and so_far[0], result.correct),
+                                  _added(so_far and so_far[1], result.counted))
+    correct: dict[str, list[int]] = {}
+    counted: dict[str, list[int]] = {}
+    for rank_counts in gathered(mine):  # every rank's, in rank order: the same sums on every rank
+        for kind, (rank_correct, rank_counted) in rank_counts.items():
+            correct[kind] = _added(correct.get(kind), rank_correct)
+            counted[kind] = _added(counted.get(kind), rank_counted)
     return {kind: [c / max(n, 1) for c, n in zip(correct[kind], counted[kind])] for kind in sorted(correct)}
+
+
+def _added(total: list[int] | None, more: list[int]) -> list[int]:
+    return list(more) if total is None else [a + b for a, b in zip(total, more)]
 
 
 def draft_positions(draft_ids: torch.Tensor, vocab_size: int, device: str | torch.device) -> torch.Tensor:
@@ -189,24 +256,9 @@ def bf16_fast(device: str) -> bool:
     return resolve_dtype("auto", device) == torch.bfloat16
 
 
-def _made_with(kind: str, settings: TrainSettings, files: list[Path]) -> dict:
-    """What a resumed run must share with the run it continues (the device may change: cpu to cuda)."""
+def _made_with(kind: str, settings: TrainSettings, batch: int, files: list[Path]) -> dict:
+    """What a resumed run must share with the run it continues (the device, the number of ranks and the
+    sharding may change: cpu to cuda, 8 GPUs to 2)."""
     fields = asdict(settings)
-    del fields["device"]
-    return {"kind": kind, **fields, "shards": [f"{p.parent.name}/{p.name}" for p in files]}
-
-
-def _resumed(checkpoint: Path, device: str) -> dict | None:
-    if not checkpoint.exists():
-        return None
-    # Our own file, written below; weights_only refuses anything but tensors and plain data.
-    return torch.load(checkpoint, map_location=device, weights_only=True)
-
-
-def _save_checkpoint(path: Path, module: nn.Module, optimizer, schedule, step: int, draft_ids: torch.Tensor,
-                     made_with: dict, measured: dict[str, list[float]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"head": module.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-             "step": step, "draft_ids": draft_ids, "made_with": made_with, "measured": measured}
-    torch.save(state, path.with_suffix(".partial"))
-    path.with_suffix(".partial").replace(path)
+    del fields["device"], fields["fsdp"]
+    return {"kind": kind, **fields, "batch": batch, "shards": [f"{p.parent.name}/{p.name}" for p in files]}

@@ -29,10 +29,24 @@ STEP_WEIGHT = 0.8  # step k's loss weighs 0.8^k, as the reference
 
 @dataclass
 class UnrollResult:
-    loss: torch.Tensor  # scalar, weighted over steps
+    """One sequence's loss as terms, each a sum over rows and the weight it is averaged by, so that a batch of
+    sequences, split over ranks or not, averages each term over all its rows at once (training/loop.py)."""
+
+    loss_sums: torch.Tensor  # [n_terms] each term's weighted sum over rows (a draft step's, a block slot's ...)
+    loss_weights: torch.Tensor  # [n_terms] the weight each sum is averaged by (rows counted), no gradient
     correct: list[int]  # per step: rows whose argmax is the target's own next token
     counted: list[int]  # per step: rows counted (those in the loss mask, in the draft vocabulary or not)
     logits: list[torch.Tensor]  # per step [N, Vd] when asked for (tests compare them with inference)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The sequence's own loss (scalar): each term averaged over its rows, the terms added."""
+        return average_terms(self.loss_sums, self.loss_weights)
+
+
+def average_terms(sums: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sums, weights [n_terms] -> the scalar loss; a term with no weight has a zero sum and adds nothing."""
+    return (sums / weights.clamp_min(1e-6)).sum()
 
 
 class UnrollLayer(Protocol):
@@ -96,7 +110,7 @@ def soft_targets(top_ids: torch.Tensor, top_logprobs: torch.Tensor, target_to_dr
 def unroll(layer: UnrollLayer, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor,
            top_logprobs: torch.Tensor, loss_mask: torch.Tensor, target_to_draft: torch.Tensor,
            steps: int, keep_logits: bool = False) -> UnrollResult:
-    """tokens [T]; features [T, F]; top_ids, top_logprobs [T, K]; loss_mask [T] -> the weighted loss."""
+    """tokens [T]; features [T, F]; top_ids, top_logprobs [T, K]; loss_mask [T] -> the loss, a term per step."""
     rows = tokens.numel() - 1
     device = layer.device
     first = layer.first_hidden(features[:rows].to(layer.dtype))  # [N, H]
@@ -109,7 +123,7 @@ def unroll(layer: UnrollLayer, tokens: torch.Tensor, features: torch.Tensor, top
     modules = [layer.module_of(step) for step in range(steps)]
     keys, values = [], []
     hidden, fed_back = first, first  # fed_back: what the previous step hands the next, [N, H]
-    loss = first.new_zeros(())
+    term_sums, term_weights = [], []  # per step: the weighted loss summed over valid rows, and their count
     correct, counted, kept = [], [], []
     for step in range(steps):
         if step:  # row j reads the previous step's output of row j-1 (row 0 has none: masked below)
@@ -140,10 +154,11 @@ def unroll(layer: UnrollLayer, tokens: torch.Tensor, features: torch.Tensor, top
         deep_enough = torch.arange(rows, device=device) >= step  # [N]: earlier rows have no drafts this deep
         valid = learn & deep_enough  # [N]
         per_row = -(weights * log_q.gather(1, draft_ids)).sum(-1)  # [N]
-        loss = loss + STEP_WEIGHT**step * (per_row * valid).sum() / valid.sum().clamp_min(1)
+        term_sums.append(STEP_WEIGHT**step * (per_row * valid).sum())
+        term_weights.append(valid.sum().float())
         # Acceptance counts every wanted row: a next token outside the draft vocabulary is a certain miss.
         hits = (log_q.argmax(-1) == draft_ids[:, 0]) & valid  # [N]
         correct.append(int(hits.sum()))
         counted.append(int((wanted & deep_enough).sum()))
         fed_back = layer.feed_back(step, out)
-    return UnrollResult(loss, correct, counted, kept)
+    return UnrollResult(torch.stack(term_sums), torch.stack(term_weights), correct, counted, kept)

@@ -28,7 +28,10 @@ from specdecode.models.model_config import ModelConfig
 LAYER_NAMES = {"hidden_norm.weight": "layer.hidden_norm.weight", "input_layernorm.weight": "layer.input_norm.weight",
                "post_attention_layernorm.weight": "layer.mlp_norm.weight",
                "self_attn.o_proj.weight": "layer.attn.o.weight", "self_attn.o_proj.bias": "layer.attn.o.bias",
-               "mlp.down_proj.weight": "layer.mlp.down.weight", "mlp.down_proj.bias": "layer.mlp.down.bias"}
+               "mlp.down_proj.weight": "layer.mlp.down.weight", "mlp.down_proj.bias": "layer.mlp.down.bias",
+               # A Qwen3-typed layer (speculators trains one for a Qwen3 verifier) normalises q and k per head.
+               "self_attn.q_norm.weight": "layer.attn.q_norm.weight",
+               "self_attn.k_norm.weight": "layer.attn.k_norm.weight"}
 FUSED = {"layer.attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "layer.mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")}
 TOP_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
@@ -123,12 +126,14 @@ def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, fol
     if type(heads) is not int or heads < 1:
         raise SpecDecodeError(f"{folder}: config.json needs num_attention_heads (a positive integer)")
     head_dim, kv_heads = _attention_shape(tensors, heads, layer_hf, folder)
+    # RoPE as written: transformers 5 (which speculators 0.9 saves with) keeps it only in rope_parameters.
+    rope = {key: layer_hf[key] for key in ("rope_theta", "rope_scaling", "rope_parameters") if key in layer_hf}
     layer = ModelConfig.from_hf({
-        "model_type": "llama", "vocab_size": tc.vocab_size, "hidden_size": hidden,
-        "intermediate_size": tensors["layer.mlp.gate_up.weight"].shape[0] // 2, "num_hidden_layers": 1,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "rms_norm_eps": layer_hf.get("rms_norm_eps", 1e-6), "rope_theta": layer_hf.get("rope_theta", 10000.0),
-        "rope_scaling": layer_hf.get("rope_scaling"), "max_position_embeddings": tc.max_position_embeddings,
+        "model_type": "qwen3" if _qk_norms(tensors, layer_hf, folder) else "llama", "vocab_size": tc.vocab_size,
+        "hidden_size": hidden, "intermediate_size": tensors["layer.mlp.gate_up.weight"].shape[0] // 2,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": layer_hf.get("rms_norm_eps", 1e-6), **rope,
+        "max_position_embeddings": tc.max_position_embeddings,
         "attention_bias": "layer.attn.qkv.bias" in tensors, "mlp_bias": "layer.mlp.down.bias" in tensors})
     if layer.o_bias != ("layer.attn.o.bias" in tensors):
         raise SpecDecodeError(f"{folder}: q/k/v and o_proj must all have biases or none")
@@ -155,6 +160,16 @@ def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, fol
     layout += {"top-level": ", layer ids from its config", "nested": ", layer ids by SGLang's rule",
                "default": ", the reference's default layer ids"}[convention]
     return config, layout
+
+
+def _qk_norms(tensors: dict, layer_hf: dict, folder: Path) -> bool:
+    """Whether the layer normalises q and k per head (a Qwen3-typed layer): both norms stored, or neither."""
+    present = ["layer.attn.q_norm.weight" in tensors, "layer.attn.k_norm.weight" in tensors]
+    if any(present) and not all(present):
+        raise SpecDecodeError(f"{folder}: the head has only one of self_attn.q_norm and self_attn.k_norm")
+    if layer_hf.get("model_type") == "qwen3" and not all(present):
+        raise SpecDecodeError(f"{folder}: a qwen3-typed EAGLE-3 layer needs self_attn.q_norm and self_attn.k_norm")
+    return all(present)
 
 
 def _attention_shape(tensors: dict, heads: int, layer_hf: dict, folder: Path) -> tuple[int, int]:
@@ -214,28 +229,7 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
     converter and llama.cpp's converter all read: `midlayer.*` names, d2t offsets and the t2d mask,
     `draft_vocab_size` written out, ids in vLLM's convention both top-level and in `eagle_config` (a first id of
     2 or more reads the same under SGLang's rule). The embedding is the target's and is not written."""
-    config = head.config
-    if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
-        raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
-                              "are written in the reference layout")
-    layer = config.layer
-    ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
-    qkv = ours.pop("layer.attn.qkv.weight")  # [(h + 2 hkv) D, 2H]
-    q_rows = layer.num_heads * layer.head_dim
-    kv_rows = layer.num_kv_heads * layer.head_dim
-    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)  # [I, H] each
-    published = {"midlayer.self_attn.q_proj.weight": qkv[:q_rows],
-                 "midlayer.self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
-                 "midlayer.self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
-                 "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up}
-    by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
-    by_ours.update({ours_name: "midlayer." + name for name, ours_name in LAYER_NAMES.items()})
-    published.update({by_ours[name]: tensor for name, tensor in ours.items()})
-    draft_to_target = head.draft_to_target.cpu()  # [Vd]
-    published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
-    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)  # [V]
-    t2d[draft_to_target] = True
-    published["t2d"] = t2d
+    config, layer = head.config, head.config.layer
     ids = list(config.layer_ids)
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": layer.hidden_size,
           "intermediate_size": layer.intermediate_size, "num_attention_heads": layer.num_heads,
@@ -248,4 +242,33 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, target_config: ModelConfig)
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
           "bos_token_id": target_config.bos_token_id, "eos_token_id": list(target_config.eos_token_ids) or None,
           "torch_dtype": "float32"}
-    return write_drafter_folder(folder, published, hf, "the head")
+    return write_drafter_folder(folder, published_tensors(head, "midlayer."), hf, "the head")
+
+
+def published_tensors(head: Eagle3Head, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The head's tensors under the published names, float32: the decoder layer's under `layer_prefix` (the
+    reference's "midlayer.", speculators' "layers.0."), q/k/v and gate/up apart, d2t offsets and the t2d mask.
+    Only heads with the target's embedding, their own lm_head and no norms before fc are written."""
+    config = head.config
+    if config.own_embedding or not config.own_head or config.norm_before_fc or config.fc_norm:
+        raise SpecDecodeError("only heads with the target's embedding, their own lm_head and no extra norms "
+                              "are written")
+    layer = config.layer
+    ours = {name: t.detach().float().cpu().contiguous() for name, t in head.state_dict().items()}
+    qkv = ours.pop("layer.attn.qkv.weight")  # [(h + 2 hkv) D, 2H]
+    q_rows = layer.num_heads * layer.head_dim
+    kv_rows = layer.num_kv_heads * layer.head_dim
+    gate, up = ours.pop("layer.mlp.gate_up.weight").split(layer.intermediate_size)  # [I, H] each
+    published = {layer_prefix + "self_attn.q_proj.weight": qkv[:q_rows],
+                 layer_prefix + "self_attn.k_proj.weight": qkv[q_rows : q_rows + kv_rows],
+                 layer_prefix + "self_attn.v_proj.weight": qkv[q_rows + kv_rows :],
+                 layer_prefix + "mlp.gate_proj.weight": gate, layer_prefix + "mlp.up_proj.weight": up}
+    by_ours = {ours_name: name for name, ours_name in TOP_NAMES.items()}
+    by_ours.update({ours_name: layer_prefix + name for name, ours_name in LAYER_NAMES.items()})
+    published.update({by_ours[name]: tensor for name, tensor in ours.items()})
+    draft_to_target = head.draft_to_target.cpu()  # [Vd]
+    published["d2t"] = draft_to_target - torch.arange(config.draft_vocab_size)
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)  # [V]
+    t2d[draft_to_target] = True
+    published["t2d"] = t2d
+    return published

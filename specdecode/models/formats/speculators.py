@@ -10,8 +10,9 @@ index the target's hidden states as Hugging Face's `hidden_states` does (the inp
 always do); `draft_vocab_size`; `sample_from_anchor` (every slot drafts: DeepSpec's convention, DSpark's default;
 DFlash drafters must not set it, as vLLM ignores it for them). DSpark adds `markov_rank`, `markov_head_type`,
 `enable_confidence_head` and `confidence_head_with_markov` (speculators' defaults: 256, vanilla, true, true).
-Tensors: z-lab's names without a prefix (DSpark's heads as DeepSpec names them), plus frozen copies of the
-target's `embed_tokens` and `lm_head`. With a draft vocabulary smaller than the target's, `lm_head` holds the
+Tensors: z-lab's names without a prefix (DSpark's heads as DeepSpec names them); speculators@c05b95b also saved
+frozen copies of the target's `embed_tokens` and `lm_head`, 0.9.0 (PyPI) neither for a full-vocabulary drafter
+(unread here either way). With a draft vocabulary smaller than the target's, `lm_head` holds the
 target's rows of the draft tokens and `d2t` maps them back (target id = draft id + d2t[draft id], as EAGLE-3's);
 a DSpark Markov head's `markov_w2` then projects onto the draft vocabulary too, while `markov_w1` stays indexed by
 target ids; `t2d` only serves training.
