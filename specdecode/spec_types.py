@@ -18,6 +18,7 @@ import torch
 from specdecode.config import SamplingParams, SpecConfig
 
 if TYPE_CHECKING:
+    from specdecode.acceptance.noise import PositionNoise
     from specdecode.drafters.base import Drafter
     from specdecode.models.decoder.kv_cache import KVCache
 
@@ -42,6 +43,9 @@ class Sequence:
     # Drafter name -> keys and values [L, Hkv, n, D] of the prompt's first n tokens from the prefix cache, for a
     # drafter that keeps its own cache of the tokens (Drafter.token_caches) to take as it starts.
     reused_drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Under the coupled rule with sampling, the request's noise by position (acceptance/noise.py): the target and
+    # every drafter that samples draw with it instead of `generator`. None otherwise.
+    noise: PositionNoise | None = None
 
     @property
     def generated(self) -> int:

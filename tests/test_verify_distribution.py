@@ -8,6 +8,10 @@ When the step emits only one token, the second comes straight from the target co
 token, whose law the first-token check covers. Truth: p(y1) p(y2 | y1), from the tables through
 logits_to_probs (checked against a slow reference in test_sampling.py).
 
+Coupled sampling: each trial is a seed, and each position's noise is that seed's row there (acceptance/noise.py).
+Sampled drafts are the draft's Gumbel-max tokens with the same rows, and a second token left for a later step is
+the target's Gumbel-max token at position 1 with that trial's row.
+
 Check: Pearson chi-square on the V*V joint and on each marginal, against the alpha = 1e-4 critical value.
 Seeds are fixed, so a run is deterministic; the small alpha keeps the test from becoming flaky if torch ever
 changes its random streams. The same check must reject deliberately wrong rules (the teeth tests).
@@ -22,8 +26,10 @@ import pytest
 import torch
 
 from specdecode.acceptance.chi_square import chi_square
+from specdecode.acceptance.noise import coupled_tokens, position_key, race_weights
 from specdecode.acceptance.sampling import logits_to_probs, sample
-from specdecode.acceptance.verify import verify
+from specdecode.acceptance.verify import greedy_walk, verify
+from specdecode.acceptance.tree import children_of
 from specdecode.config import SamplingParams
 from specdecode.spec_types import DraftProposal, VerifyResult
 
@@ -40,15 +46,18 @@ SETTINGS = {
     "min_p": SamplingParams(temperature=1.0, min_p=0.15),
 }
 
-StepFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator], VerifyResult]
+# (draft tokens [K], their laws [K, V] or None, target logits [K+1, V], params, generator, race weights [K+1, V] or
+# None when not coupled) -> the step's verdict
+StepFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, SamplingParams, torch.Generator,
+                   torch.Tensor | None], VerifyResult]
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def chain_verify(draft_tokens, draft_probs, target_logits, params, generator) -> VerifyResult:
-    """verify() on a chain of drafts (tests/test_tree_verify.py covers trees)."""
-    return verify(DraftProposal(draft_tokens, None, draft_probs), target_logits, params, generator)
+def chain_verify(draft_tokens, draft_probs, target_logits, params, generator, noise=None) -> VerifyResult:
+    """verify() on a chain of drafts (tests/test_tree_verify.py covers trees), coupled when given noise."""
+    return verify(DraftProposal(draft_tokens, None, draft_probs), target_logits, params, generator, noise=noise)
 
 
 def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,20 +77,25 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float
 
 
 def _emit_two_tokens(
-    step: StepFn, params: SamplingParams, deterministic: bool, pass_probs: bool, seed: int, n: int = NUM_TRIALS
+    step: StepFn, params: SamplingParams, deterministic: bool, pass_probs: bool, seed: int, n: int = NUM_TRIALS,
+    coupled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run n speculative steps; return (first two emitted tokens [N, 2], true joint [V, V])."""
     target_logits, draft_logits = _tables(seed)  # [T, prev, V] each
     p_table = logits_to_probs(target_logits, params)  # [T, prev, V]
     q_table = logits_to_probs(draft_logits, params)  # [T, prev, V]
     g = torch.Generator().manual_seed(seed)
+    weights = _trial_noise(seed, n) if coupled else None  # [N, K_max+1, V]: trial i's rows at positions 0..K_max
 
     # Drafts for all trials at once, position by position, each conditioned on the previous draft.
     prev = torch.full((n,), BOS)  # [N]
     drafts = []
     for position in range(MAX_DRAFTS):
         q_rows = q_table[position, prev]  # [N, V]
-        token = q_rows.argmax(dim=-1) if deterministic else sample(q_rows, g)  # [N]
+        if deterministic:
+            token = q_rows.argmax(dim=-1)  # [N]
+        else:
+            token = sample(q_rows, g) if weights is None else coupled_tokens(q_rows, weights[:, position])  # [N]
         drafts.append(token)
         prev = token
     draft_tokens = torch.stack(drafts, dim=1)  # [N, K_max]
@@ -95,14 +109,22 @@ def _emit_two_tokens(
         for i in range(n):
             k = i % (MAX_DRAFTS + 1)
             probs = draft_rows[i, :k] if pass_probs else None
-            tokens = step(draft_tokens[i, :k], probs, target_rows[i, : k + 1], params, g).tokens
+            noise = None if weights is None else weights[i, : k + 1]  # [k+1, V]
+            tokens = step(draft_tokens[i, :k], probs, target_rows[i, : k + 1], params, g, noise).tokens
             outputs.append(tokens[:2] if len(tokens) > 1 else [tokens[0], -1])  # -1: left for a later step
     emitted = torch.tensor(outputs)  # [N, 2]
     later = emitted[:, 1] < 0  # [N]
-    emitted[later, 1] = sample(p_table[1, emitted[later, 0]], g)
+    later_probs = p_table[1, emitted[later, 0]]  # [L, V]
+    emitted[later, 1] = sample(later_probs, g) if weights is None else coupled_tokens(later_probs, weights[later, 1])
 
     joint = p_table[0, BOS].double()[:, None] * p_table[1].double()  # [V, V]: p(y1) p(y2 | y1)
     return emitted, joint
+
+
+def _trial_noise(seed: int, n: int) -> torch.Tensor:
+    """-> race weights [N, K_max+1, V]: trial i is request seed seed * n + i, at positions 0..K_max."""
+    keys = torch.tensor([position_key(seed * n + i, position) for i in range(n) for position in range(MAX_DRAFTS + 1)])
+    return race_weights(keys, V).view(n, MAX_DRAFTS + 1, V)
 
 
 def _assert_matches(emitted: torch.Tensor, joint: torch.Tensor) -> None:
@@ -128,7 +150,17 @@ def test_speculative_output_follows_target_distribution(setting: str, drafts: st
     _assert_matches(emitted, joint)
 
 
-def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, params, generator) -> VerifyResult:
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+def test_coupled_output_follows_target_distribution(setting: str, drafts: str) -> None:
+    """The coupled rule: drafts drawn with each trial's noise (or argmax drafts), never a q."""
+    emitted, joint = _emit_two_tokens(chain_verify, SETTINGS[setting], deterministic=drafts == "deterministic",
+                                      pass_probs=False, seed=7, coupled=True)
+    _assert_matches(emitted, joint)
+
+
+def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, params, generator, noise=None
+                                      ) -> VerifyResult:
     """Wrong: accepts iff p(x) >= q(x), with no coin flip, so drafts the draft over-weights never survive."""
     p = logits_to_probs(target_logits, params)  # [K+1, V]
     positions = torch.arange(draft_tokens.numel())  # [K]
@@ -138,20 +170,32 @@ def _accept_when_target_likes_it_more(draft_tokens, draft_probs, target_logits, 
     return VerifyResult(list(range(count)), draft_tokens[:count].tolist() + [int(sample(residual, generator))])
 
 
+def _coupled_accepting_the_first_draft(draft_tokens, draft_probs, target_logits, params, generator, noise
+                                       ) -> VerifyResult:
+    """Wrong: the coupled walk, except that a first draft differing from the target's Gumbel-max token is kept
+    too (and the walk goes on from it)."""
+    proposal = DraftProposal(draft_tokens)
+    scores = logits_to_probs(target_logits, params) * noise  # [K+1, V]
+    keeps = [node == 0 for node in range(proposal.size)]  # relaxed_keeps: the first child is always kept
+    return greedy_walk(proposal, children_of(proposal.parent_list()), scores, keeps)
+
+
 @pytest.mark.parametrize(
-    "name, step, deterministic",
+    "name, step, deterministic, coupled",
     [
-        ("accept iff p(x) >= q(x)", _accept_when_target_likes_it_more, False),
+        ("accept iff p(x) >= q(x)", _accept_when_target_likes_it_more, False, False),
         # The misuse verify() warns about: argmax drafts judged against the softmax they were not drawn from.
-        ("argmax drafts with softmax q", chain_verify, True),
+        ("argmax drafts with softmax q", chain_verify, True, False),
+        ("coupled, keeping a first draft that differs", _coupled_accepting_the_first_draft, False, True),
     ],
 )
-def test_check_rejects_wrong_rules(name: str, step: StepFn, deterministic: bool) -> None:
+def test_check_rejects_wrong_rules(name: str, step: StepFn, deterministic: bool, coupled: bool) -> None:
     # A quarter of the trials, to save time, and a harder test of the check for it: against a fixed wrong
     # distribution the statistic grows linearly with the sample size while the critical value stays put, so
     # a rule caught here is caught at NUM_TRIALS by about four times the margin (these fail by 8x or more).
     emitted, joint = _emit_two_tokens(
-        step, SETTINGS["temperature"], deterministic=deterministic, pass_probs=True, seed=7, n=NUM_TRIALS // 4
+        step, SETTINGS["temperature"], deterministic=deterministic, pass_probs=True, seed=7, n=NUM_TRIALS // 4,
+        coupled=coupled,
     )
     with pytest.raises(AssertionError, match="chi-square"):
         _assert_matches(emitted, joint)

@@ -1,7 +1,8 @@
-"""One logits -> probabilities transform shared by target and draft, and the one sampler.
+"""One logits -> probabilities transform shared by target and draft, the one sampler, and how drafters draw.
 
 Target and draft must go through the same transform: rejection sampling is lossless only with respect to the
-distribution the draft tokens were actually drawn from (q) and the one the user asked for (p).
+distribution the draft tokens were actually drawn from (q) and the one the user asked for (p). Under the coupled
+rule a drafter draws with the request's noise instead (acceptance/noise.py).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdecode.acceptance.noise import coupled_tokens
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
+from specdecode.spec_types import Sequence
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -62,3 +65,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
         raise SpecDecodeError(f"cannot sample: the model's probabilities hold NaN, inf or negative values "
                               f"({error}); its weights may be corrupt, or try --dtype float32") from None
     return ids.reshape(probs.shape[:-1])  # [...]
+
+
+def draw_drafts(q: torch.Tensor, seq: Sequence, position: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sampling drafter's tokens for R consecutive positions from `position` (the index in seq.tokens the first
+    one would take), from their laws q [R, V] (logits_to_probs with seq.sampling) -> (tokens [R] long, the laws to
+    verify them against: q when drawn with the request's generator, None when drawn with its coupled noise, which
+    makes them deterministic given the context, so verification must not see a q)."""
+    if seq.noise is not None:
+        return coupled_tokens(q, seq.noise.rows(list(range(position, position + q.shape[0])))), None
+    return sample(q, seq.generator), q

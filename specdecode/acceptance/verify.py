@@ -18,8 +18,16 @@ min(1, r(x) / q(x)); on rejection r becomes norm(max(r - q, 0)) for the next sib
 (argmax, top-k, n-gram matches) take the same rule with a one-hot q: accept x with probability r(x), else
 remove x from r and renormalise. A chain is the tree with one child per node, on the same code path.
 
-Random draws come from the `generator` passed in: N uniforms per step (one per node, drawn whatever the
-outcome, so consumption does not depend on it), then one draw of the next token. Same state, same result.
+Coupled sampling (the `coupled` rule, acceptance/noise.py): each row's randomness is fixed by the request's seed and
+the position the row samples, as race weights w. The target's token at a row is its Gumbel-max token argmax p w, and
+the walk is the greedy one over those tokens: the child equal to it wins, else the target's token is the step's
+next token. Each emitted token is the target's own Gumbel-max sample given the accepted prefix, so the output is
+plain decoding's at the same seed, token for token, whatever was drafted. A drafter that samples draws its tokens
+with the same weights (argmax q w): no q is needed to verify them.
+
+Random draws (token-wise and block rules) come from the `generator` passed in: N uniforms per step (one per node,
+drawn whatever the outcome, so consumption does not depend on it), then one draw of the next token. Same state,
+same result; but what a seed draws then depends on what was drafted.
 """
 
 from __future__ import annotations
@@ -35,15 +43,17 @@ from specdecode.spec_types import DraftProposal, VerifyResult
 
 
 def verify(proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None, relaxed: Relaxed | None = None, block: bool = False) -> VerifyResult:
+           generator: torch.Generator | None, relaxed: Relaxed | None = None, block: bool = False,
+           noise: torch.Tensor | None = None) -> VerifyResult:
     """proposal of N nodes, target_logits [N+1, V] -> the step's VerifyResult.
 
-    proposal.probs must be the distributions the nodes were sampled from, via logits_to_probs with these same
-    params. A drafter that picks tokens deterministically must pass None, never the softmax of its logits:
-    its tokens were not drawn from that q, and rejection sampling against it is biased.
-    `relaxed` (opt-in, lossy, relaxed.py) also keeps the drafts its rule keeps. `block`: a sampled chain is judged
-    by block verification (block_verify.py) instead of token by token; trees, greedy decoding and relaxed rules
-    keep their own rule.
+    `noise` [N+1, V]: the race weights of each row's position (noise.PositionNoise.for_proposal): sampling is then
+    coupled, and the generator is not used. Otherwise proposal.probs must be the distributions the nodes were
+    sampled from, via logits_to_probs with these same params. A drafter that picks tokens deterministically must
+    pass None, never the softmax of its logits: its tokens were not drawn from that q, and rejection sampling
+    against it is biased. `relaxed` (opt-in, lossy, relaxed.py) also keeps the drafts its rule keeps. `block`: a
+    sampled chain is judged by block verification (block_verify.py) instead of token by token; trees, greedy
+    decoding, coupled sampling and relaxed rules keep their own rule.
     """
     children = children_of(proposal.parent_list())
     if params.greedy:
@@ -51,16 +61,19 @@ def verify(proposal: DraftProposal, target_logits: torch.Tensor, params: Samplin
             relaxed, proposal, torch.softmax(target_logits.float(), dim=-1))  # p [N+1, V] only when asked
         return greedy_walk(proposal, children, target_logits, relaxed_keeps)
     p = logits_to_probs(target_logits, params)  # [N+1, V]
+    if noise is not None:
+        return coupled_walk(proposal, children, p, noise, _relaxed_keeps(relaxed, proposal, p))
     if block and relaxed is None and proposal.is_chain and proposal.size > 0:
         return block_walk(proposal, p, generator)
     return sampling_walk(proposal, children, p, generator, _relaxed_keeps(relaxed, proposal, p))
 
 
-def greedy_walk(proposal: DraftProposal, children: list[list[int]], target_logits: torch.Tensor,
+def greedy_walk(proposal: DraftProposal, children: list[list[int]], scores: torch.Tensor,
                 relaxed_keeps: list[bool] | None = None) -> VerifyResult:
-    """From the root, step to the first child equal to the target's argmax there, while one is (else, with
-    relaxed acceptance, to the first child its rule keeps)."""
-    best = target_logits.argmax(dim=-1)  # [N+1]; ties -> lowest id, as in plain greedy decoding
+    """From the root, step to the first child equal to the target's token there, the argmax of its row of `scores`
+    [N+1, V] (the logits when greedy, p w when coupled), while one is (else, with relaxed acceptance, to the
+    first child its rule keeps)."""
+    best = scores.argmax(dim=-1)  # [N+1]; ties -> lowest id, as in plain decoding
     host = torch.cat([best, proposal.tokens.to(best.device)]).tolist()  # one sync for both
     best, tokens = host[: len(children)], host[len(children):]
     row, path = 0, []
@@ -68,6 +81,13 @@ def greedy_walk(proposal: DraftProposal, children: list[list[int]], target_logit
         path.append(node)
         row = node + 1
     return VerifyResult(path, [tokens[i] for i in path] + [best[row]], proposal.source)
+
+
+def coupled_walk(proposal: DraftProposal, children: list[list[int]], p: torch.Tensor, noise: torch.Tensor,
+                 relaxed_keeps: list[bool] | None = None) -> VerifyResult:
+    """The coupled rule: p [N+1, V] and each row's race weights noise [N+1, V]; a row's token is its Gumbel-max token,
+    the argmax of p w, and the walk is the greedy one over those tokens."""
+    return greedy_walk(proposal, children, p * noise.to(p.device), relaxed_keeps)  # [N+1, V] race scores
 
 
 def _greedy_child(siblings: list[int], tokens: list[int], best: int, relaxed_keeps: list[bool] | None
