@@ -12,7 +12,13 @@ from typing import Any
 from specdecode.errors import SpecDecodeError, quoted
 
 MAX_DRAFT_TOKENS = 64
-VERIFICATION_RULES = ("block", "token")  # how a sampled chain is verified: jointly (block_verify.py) or token-wise
+# How sampled drafts are verified: coupled (each position's randomness fixed by the seed, acceptance/noise.py: the
+# output is plain decoding's at that seed, token for token), block (a chain jointly, block_verify.py) or token-wise.
+VERIFICATION_RULES = ("coupled", "block", "token")
+# The rule of a request whose SpecConfig names none, by whether its SamplingParams carry a seed. The one place this
+# default is decided: "coupled" for both makes every sampled answer reproducible from the seed the Engine reports
+# (docs/benchmarks/block_verification.py measures what each rule accepts).
+DEFAULT_VERIFICATION = {"seeded": "coupled", "unseeded": "block"}
 COMBINE_RULES = ("first", "best")  # how a combination of methods picks each step's proposal
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's cap
 # Below this, dividing logits by the temperature overflows float32 softmax into NaN; such a temperature means
@@ -85,9 +91,11 @@ class SpecConfig:
     pauses drafting while it measures slower than plain decoding (engine/speed_guard.py). `combine` is how a
     combination picks each step's proposal: "first" (llama.cpp's rule, the first member with one) or "best" (the
     most expected tokens per second, drafters/step_choice.py). `relaxed` opts into lossy acceptance
-    (acceptance/relaxed.py). `verification` is how a sampled chain is verified: "block" (jointly, Sun et al.
-    2025, acceptance/block_verify.py) or "token" (token by token); both are lossless, and greedy decoding and trees
-    are verified the same either way.
+    (acceptance/relaxed.py). `verification` is how sampled drafts are verified: "coupled" (each position's
+    randomness fixed by the seed: the output is plain decoding's at that seed, token for token, whatever was
+    drafted), "block" (a chain jointly, Sun et al. 2025, acceptance/block_verify.py) or "token" (token by token);
+    all are lossless, and greedy decoding is verified the same under each. None (the default) picks by the seed:
+    DEFAULT_VERIFICATION.
 
         SpecConfig("ngram,draft", num_draft_tokens=5, ngram_max=3, draft_p_min=0.8)
     """
@@ -99,11 +107,11 @@ class SpecConfig:
     guard: bool
     combine: str
     relaxed: str | None  # opt-in lossy acceptance, "RULE:VALUE" (relaxed.py); None = exact, lossless
-    verification: str  # one of VERIFICATION_RULES
+    verification: str | None  # one of VERIFICATION_RULES; None = DEFAULT_VERIFICATION, by the seed
 
     def __init__(self, method: str = "none", num_draft_tokens: int = 3, adaptive: bool = True,
                  options: Iterable[tuple[str, Any]] | Mapping[str, Any] = (), guard: bool = True,
-                 combine: str = "first", relaxed: str | None = None, verification: str = "block",
+                 combine: str = "first", relaxed: str | None = None, verification: str | None = None,
                  **named_options: Any):
         if (not isinstance(method, str) or type(num_draft_tokens) is not int or not isinstance(adaptive, bool)
                 or not isinstance(guard, bool)):
@@ -124,8 +132,9 @@ class SpecConfig:
             raise SpecDecodeError(f"relaxed must be a string such as 'typical' or 'threshold:0.3', got {relaxed!r}")
         object.__setattr__(self, "relaxed", relaxed)
         object.__setattr__(self, "verification", verification)
-        if verification not in VERIFICATION_RULES:
-            raise SpecDecodeError(f"verification must be one of {', '.join(VERIFICATION_RULES)}, got {verification!r}")
+        if verification is not None and verification not in VERIFICATION_RULES:
+            raise SpecDecodeError(f"verification must be one of {', '.join(VERIFICATION_RULES)} (None: by the seed), "
+                                  f"got {verification!r}")
         if combine not in COMBINE_RULES:
             raise SpecDecodeError(f"combine must be one of {', '.join(COMBINE_RULES)}, got {combine!r}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -140,6 +149,13 @@ class SpecConfig:
     @property
     def methods(self) -> tuple[str, ...]:
         return tuple(m for m in self.method.split(",") if m)
+
+    def verification_for(self, sampling: SamplingParams) -> str:
+        """The rule a request with `sampling` is verified by: the one named, else DEFAULT_VERIFICATION's for a
+        request with or without a seed."""
+        if self.verification is not None:
+            return self.verification
+        return DEFAULT_VERIFICATION["seeded" if sampling.seed is not None else "unseeded"]
 
     def option(self, name: str, default: Any = None) -> Any:
         """A drafter option's value as given here (`default` when it was not set)."""

@@ -3,6 +3,8 @@ new drafter is held to it the day it registers:
 
 - greedy output equals plain decoding token for token (fp32 target), drafts both accepted and rejected;
 - the same, bitwise, on a w4a8 target (its kernels are batch-invariant, so verifying cannot change a bit);
+- under the coupled rule, sampled output at a seed equals plain decoding's at that seed, token for token (fp32,
+  bf16 and w4a8 targets, alone and in batched steps, with the speed guard and per-step choice on);
 - sampled output follows the target's distribution (end to end, chi-square at alpha = 1e-4);
 - after every step the target's KV cache holds exactly the committed tokens, with the values a fresh prefill
   computes (so a tree's rollback kept the accepted path and nothing else);
@@ -30,6 +32,7 @@ from mtp_reference import add_mtp_layers
 from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.acceptance import verify as verify_module
 from specdecode.drafters.registry import DRAFTERS
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
@@ -155,6 +158,69 @@ def test_w4a8_target_output_is_bitwise_plain_decoding(w4a8_engine, method, optio
         assert result.token_ids == plain, f"{method} {options} diverged on {prompt!r} in bf16 w4a8"
 
 
+def coupled(seed: int, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    """Sampling with the coupled rule's noise (the spec names the rule): peaked enough at 0.7 and top-k 40 for the
+    tiny models' drafts to be accepted now and then."""
+    return SamplingParams(temperature=0.7, top_k=40, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+
+def coupled_spec(method: str, options: dict, k: int) -> SpecConfig:
+    """The guard on and per-step choice for a combination: timing may change every draft, never the output."""
+    return SpecConfig(method, num_draft_tokens=k, options=options, combine="best", verification="coupled")
+
+
+PLAIN_SAMPLED: dict[tuple[int, str, int], list[int]] = {}  # (id of the engine, prompt, seed) -> plain output
+
+
+def plain_sampled(engine: Engine, prompt: str, seed: int) -> list[int]:
+    """Plain decoding of `prompt` at `seed` under the coupled rule, once per engine (every configuration compares)."""
+    key = (id(engine), prompt, seed)
+    if key not in PLAIN_SAMPLED:
+        PLAIN_SAMPLED[key] = engine.complete(prompt, coupled(seed), coupled_spec("none", {}, 1)).token_ids
+    return PLAIN_SAMPLED[key]
+
+
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_coupled_sampled_output_equals_plain_decoding_at_the_same_seed(engine, method, options):
+    drafted = accepted = 0
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        for k in (1, 4):
+            result = engine.complete(prompt, coupled(seed), coupled_spec(method, options, k))
+            assert result.token_ids == plain_sampled(engine, prompt, seed), f"{method} {options} k={k} on {prompt!r}"
+            drafted += result.stats.drafted_tokens
+            accepted += result.stats.accepted_tokens
+    # Drafts were verified. How many of the tiny models' sampled drafts are accepted varies (on Qwen2 most methods
+    # see both outcomes, a few none); the next test shows that a rule keeping a wrong draft is caught.
+    assert method == "none" or drafted > 0
+
+
+def test_a_coupled_rule_keeping_a_draft_that_differs_is_caught(engine, monkeypatch):
+    """The identity above has teeth: a coupled walk that also keeps a first draft the target's Gumbel-max token
+    differs from makes the draft model's output leave plain decoding's."""
+    real_walk = verify_module.coupled_walk
+
+    def keeping_first_drafts(proposal, children, p, noise, relaxed_keeps=None):
+        return real_walk(proposal, children, p, noise, [node == 0 for node in range(proposal.size)])
+
+    monkeypatch.setattr(verify_module, "coupled_walk", keeping_first_drafts)
+    results = [engine.complete(prompt, coupled(seed), coupled_spec("draft", {}, 3)).token_ids
+               for seed, prompt in enumerate(PROMPTS[:2])]
+    assert results != [plain_sampled(engine, prompt, seed) for seed, prompt in enumerate(PROMPTS[:2])]
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(pair):
+    return Engine(load_model(pair[2], dtype="bfloat16"), pair[1], draft_path=pair[3])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "w4a8"])
+@pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
+def test_coupled_sampled_output_equals_plain_decoding_in_bf16_and_w4a8(pair, request, precision, method, options):
+    engine = request.getfixturevalue(f"{precision}_engine")  # the pair's target in that precision
+    result = engine.complete(PROMPTS[2], coupled(7), coupled_spec(method, options, 4))
+    assert result.token_ids == plain_sampled(engine, PROMPTS[2], 7), f"{method} {options} in {precision}"
+
+
 @pytest.fixture(scope="module")
 def small_vocab_engine(request, tmp_path_factory):
     """An engine over a vocabulary of VOCAB tokens, its target of the architecture request.param names."""
@@ -187,7 +253,9 @@ SAMPLED += [pytest.param(arch, method, options, id=f"{arch}-{name}") for arch in
 @pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize(("small_vocab_engine", "method", "options"), SAMPLED, indirect=["small_vocab_engine"])
 def test_sampled_output_follows_the_target_distribution(small_vocab_engine, method, options):
-    spec = SpecConfig(method, num_draft_tokens=2, adaptive=False, options=options)
+    """Rejection sampling against each drafter's own q (block verification for its chains): the coupled rule's law
+    is plain decoding's by the identity tests above, and test_engine_distribution.py checks plain decoding's."""
+    spec = SpecConfig(method, num_draft_tokens=2, adaptive=False, options=options, verification="block")
     assert_follows_the_target(small_vocab_engine, SETTINGS["temperature"], spec)
 
 
@@ -237,17 +305,20 @@ def test_one_engine_serves_interleaved_requests(engine, method, options):
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
 def test_batched_steps_on_a_w4a8_target_equal_each_request_alone(w4a8_engine, monkeypatch, method, options):
     """Requests verified together in one forward (as the server batches them), joining and leaving mid-batch,
-    next to plain requests and requests of another method: each output is bitwise what it is alone. The load
-    budget is held open (every sequence drafts what it asks), so that drafts are verified in batches."""
+    next to plain requests and requests of another method: each output is bitwise what it is alone, and a coupled
+    sampled one's is plain decoding's at its seed. The load budget is held open (every sequence drafts what it
+    asks), so that drafts are verified in batches."""
     monkeypatch.setattr(w4a8_engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     spec = SpecConfig(method, num_draft_tokens=3, options=options)
     # recycle drafts from the first steps on, whatever the text (the hybrid target's seldom repeats n-grams)
     others = [SpecConfig("none"), SpecConfig("recycle", num_draft_tokens=2)]
     requests = [(p, greedy(8 + 6 * i), spec) for i, p in enumerate(PROMPTS)]
     requests += [(p, greedy(12), others[i % 2]) for i, p in enumerate(PROMPTS[:2])]
+    requests += [(p, coupled(7, 16), coupled_spec(method, options, 3)) for p in PROMPTS[2:]]
     alone = [w4a8_engine.complete(*request).token_ids for request in requests]
     batched, shapes = run_batched(w4a8_engine, requests)
     assert batched == alone
+    assert batched[-2:] == [plain_sampled(w4a8_engine, p, 7)[:16] for p in PROMPTS[2:]]
     assert any(batch > 1 and rows > 1 for batch, rows in shapes), "no batch verified a draft"
 
 
@@ -281,7 +352,8 @@ def test_a_prompt_read_in_chunks_decodes_as_one_read_whole(pair, w4a8_engine, me
 def test_a_prompt_taken_from_the_prefix_cache_decodes_as_one_read_whole(pair, w4a8_engine, method, options):
     """A chat's second turn begins with its first turn and answer: the prefix cache (prefix_cache.py) gives it
     those rows' keys and values, and their hidden states to a drafter that reads them, so it drafts the
-    same tokens and the output is bitwise the same (w4a8 target; fresh engines, both given the first turn)."""
+    same tokens and the output is bitwise the same (w4a8 target; fresh engines, both given the first turn); a
+    coupled sampled answer from the cached prefix is plain decoding's at its seed."""
     spec = SpecConfig(method, num_draft_tokens=3, options=options, guard=False)
     first_turn = w4a8_engine.encode(PROMPTS[0])
 
@@ -304,3 +376,7 @@ def test_a_prompt_taken_from_the_prefix_cache_decodes_as_one_read_whole(pair, w4
     assert reused[3] == len(first_turn) + len(answer) - 1  # all but the answer's last token, which was never read
     assert whole[3] == 0
     assert reused[:3] == whole[:3], f"{method} {options}"
+    # Coupled sampling from the cached prefix: plain decoding's tokens at the seed, from a whole read.
+    sampled = cached.complete(second_turn, coupled(3, 12), coupled_spec(method, options, 3))
+    assert sampled.stats.cached_prompt_tokens > 0
+    assert sampled.token_ids == uncached.complete(second_turn, coupled(3, 12), coupled_spec("none", {}, 1)).token_ids

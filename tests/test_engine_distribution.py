@@ -96,13 +96,17 @@ def chi_square_passes(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     return test.passed
 
 
-@pytest.mark.parametrize(("method", "setting", "target_kind"), [
-    ("none", "temperature", "float"), ("draft", "temperature", "float"), ("ngram", "temperature", "float"),
-    ("draft", "top-p", "float"), ("ngram,draft", "top-p", "float"), ("ngram,draft", "temperature", "w4a8"),
+@pytest.mark.parametrize(("method", "setting", "target_kind", "rule"), [
+    ("none", "temperature", "float", "block"), ("draft", "temperature", "float", "block"),
+    ("ngram", "temperature", "float", "block"), ("draft", "top-p", "float", "block"),
+    ("ngram,draft", "top-p", "float", "block"), ("ngram,draft", "temperature", "w4a8", "block"),
     # Per-step choice between a lookup and a sampling drafter: the choice must not skew the law.
-    ("ngram,draft:best", "temperature", "float"),
+    ("ngram,draft:best", "temperature", "float", "block"),
+    # Coupled: plain decoding's Gumbel-max draws follow the target (every method's output equals them at a seed:
+    # test_drafter_contract.py), and so do a sampling drafter's and a lookup's, chosen per step.
+    ("none", "top-p", "float", "coupled"), ("ngram,draft:best", "temperature", "float", "coupled"),
 ])
-def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method, target_kind):
+def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting, method, target_kind, rule):
     targets, draft = small_vocab_pair
     target = targets[target_kind]()
     engine = Engine(target, draft)
@@ -110,7 +114,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_pair, setting
     # The guard is not under test here, and per-step choice reads a clock that ticks per read: what is drafted
     # depends on the seed alone, never on the machine's load.
     spec = SpecConfig(method.removesuffix(":best"), num_draft_tokens=2, adaptive=False, guard=False,
-                      combine="best" if method.endswith(":best") else "first")
+                      combine="best" if method.endswith(":best") else "first", verification=rule)
     if method.endswith(":best"):
         engine.drafter(spec).clock = TickingClock()
     results = assert_follows_the_target(engine, params, spec)

@@ -245,6 +245,25 @@ def test_seed_makes_sampling_reproducible(served):
     assert len({first, sample(8), sample(9)}) > 1
 
 
+def test_every_answer_says_its_seed_which_reproduces_it_with_any_method(served):
+    """A request without a seed gets one picked and returned; under the coupled rule (every request has a seed)
+    that seed gives the same answer again, through plain decoding and through another drafter alike."""
+    client = served.client()
+
+    def sample(**extra) -> tuple[str, dict]:
+        response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=1.0,
+                                             extra_body={"ignore_eos": True, **extra})
+        return response.choices[0].text, response.speculative
+
+    text, speculative = sample()
+    assert isinstance(speculative["seed"], int) and speculative["verification"] == "coupled"
+    assert speculative["drafted_tokens"] > 0
+    for method in ("none", "draft"):
+        again, replayed = sample(seed=speculative["seed"], speculative={"method": method})
+        assert again == text and replayed["seed"] == speculative["seed"]
+    assert sample()[1]["seed"] != speculative["seed"]  # picked afresh for each request
+
+
 def test_top_k_one_and_high_min_p_sample_like_greedy(served, engine):
     expected = greedy(engine, PROMPTS[0]).text
     client = served.client()

@@ -31,7 +31,8 @@ def parse_methods(text: str, base: SpecConfig) -> list[MethodSpec]:
     length, ':adaptive=on|off' whether it adapts, ':guard=on|off' the speed guard, ':combine=first|best' a
     chain's rule and ':NAME=VALUE' any drafter option (on top of `base`, the command line's settings). 'auto'
     runs the drafters found for the target with per-step choice (drafters/auto.py)."""
-    specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none"))]
+    # Plain decoding samples by the rule the methods run by (coupled's Gumbel-max draws or the generator's).
+    specs = [MethodSpec("none", "specdecode", "none", SpecConfig("none", verification=base.verification))]
     known = all_options()
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, settings = label.partition(":")

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from specdecode.config import COMBINE_RULES, VERIFICATION_RULES, SamplingParams, SpecConfig
+from specdecode.config import COMBINE_RULES, DEFAULT_VERIFICATION, VERIFICATION_RULES, SamplingParams, SpecConfig
 from specdecode.drafters import capabilities
 from specdecode.drafters.registry import (
     DRAFTERS,
@@ -80,10 +80,13 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                        help="never slower than plain: shrink, then pause drafting while it measures slower, and "
                        "probe again later (default on; with sampling, --no-guard keeps timing out of what a seeded "
                        "run draws)")
-    group.add_argument("--verification", choices=VERIFICATION_RULES, default="block",
-                       help="how a sampled chain of drafts is verified: block (jointly, Sun et al. 2025: never fewer "
-                       "tokens accepted in expectation) or token (token by token, Leviathan et al.); both lossless, "
-                       "greedy decoding and trees the same either way; default block")
+    group.add_argument("--verification", choices=VERIFICATION_RULES, default=None,
+                       help="how sampled drafts are verified: coupled (each position's randomness fixed by --seed: "
+                       "the output is plain decoding's at that seed, token for token, however it was drafted), "
+                       "block (a chain jointly, Sun et al. 2025: the most tokens accepted in expectation) or token "
+                       "(token by token, Leviathan et al.); all lossless, greedy decoding the same under each; "
+                       f"default {DEFAULT_VERIFICATION['seeded']} with --seed, else "
+                       f"{DEFAULT_VERIFICATION['unseeded']}")
     group.add_argument("--relaxed-acceptance", metavar="RULE[:VALUE]",
                        help="opt-in LOSSY acceptance that keeps more drafts, so the output is no longer exactly the "
                        "target's: typical[:EPSILON] (Medusa's typical acceptance, default 0.09) or threshold[:P] "

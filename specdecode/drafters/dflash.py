@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.sampling import draw_drafts, logits_to_probs
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, option
 from specdecode.drafters.capabilities import AutoMember, Batching, MemorySizing
@@ -149,11 +149,13 @@ class DFlashDrafter(Drafter, AutoMember, Batching, MemorySizing):
         return hidden[1 : 1 + self.max_nodes(budget)]
 
     def _draft(self, seq: Sequence, hidden: torch.Tensor, logits: torch.Tensor) -> DraftProposal:
-        """The drafting rows' hidden [n, H] and logits [n, V] -> the proposal, each slot drawn from its own law."""
+        """The drafting rows' hidden [n, H] and logits [n, V] -> the proposal, each slot drawn from its own law (slot k
+        for the position after the root's + k)."""
         if seq.sampling.greedy:
             return DraftProposal.chain(logits.argmax(dim=-1).tolist(), None, self.name)
         q = logits_to_probs(logits, seq.sampling)  # [n, V]: each slot's own law
-        return DraftProposal.chain(sample(q, seq.generator).tolist(), q, self.name)
+        tokens, laws = draw_drafts(q, seq, len(seq.tokens))  # [n], [n, V] or None (coupled)
+        return DraftProposal.chain(tokens.tolist(), laws, self.name)
 
     def commit(self, seq: Sequence, result: VerifyResult, target: TargetOutput) -> None:
         state = seq.drafter_state[self.name]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.sampling import draw_drafts, logits_to_probs
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.capabilities import AutoMember, Batching, DeferredStart, MemorySizing
@@ -188,7 +188,8 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
         while drafting:
             fed, read_ahead = [], []
             for b in drafting:
-                token, q, confidence = self._draw(seqs[b], logits[b], bool(p_min))
+                position = len(seqs[b].tokens) + len(tokens[b])
+                token, q, confidence = self._draw(seqs[b], logits[b], position, bool(p_min))
                 # llama.cpp's --draft-p-min: an unsure draft is likely rejected, so stop spending time on it.
                 if confidence is not None and confidence < p_min:
                     continue
@@ -209,7 +210,7 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
         for seq, cache, drafted in zip(seqs, caches, tokens):
             # Drop the rows of guesses past the chain's newest fed draft; commit keeps those of the accepted drafts.
             cache.truncate(min(cache.lengths[0], len(seq.tokens) + max(len(drafted) - 1, 0)))
-        # Greedy drafts are deterministic: verification must not see a q for them (it would bias sampling).
+        # Greedy and coupled drafts are deterministic: verification must not see a q for them (it would bias sampling).
         return [DraftProposal.chain(t, torch.stack(r) if r else None, self.name) for t, r in zip(tokens, rows)]
 
     def _forward_drafts(self, seqs: list[Sequence], caches: list[KVCache], tokens: list[list[int]],
@@ -243,14 +244,16 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
         return results
 
     @staticmethod
-    def _draw(seq: Sequence, logits: torch.Tensor, confidence: bool) -> tuple[int, torch.Tensor | None, float | None]:
-        """The next draft token from logits [V] -> (token, the law it was drawn from [V] or None when greedy,
-        the draft's top probability when `confidence` asks for it)."""
+    def _draw(seq: Sequence, logits: torch.Tensor, position: int, confidence: bool
+              ) -> tuple[int, torch.Tensor | None, float | None]:
+        """The draft token for `position` from logits [V] -> (token, the law it was drawn from [V] or None when it
+        is deterministic (greedy or coupled), the draft's top probability when `confidence` asks for it)."""
         if seq.sampling.greedy:
             top = float(torch.softmax(logits, dim=-1).max()) if confidence else None
             return int(logits.argmax()), None, top
         q = logits_to_probs(logits, seq.sampling)  # [V]
-        return int(sample(q, seq.generator)), q, float(q.max()) if confidence else None
+        token, law = draw_drafts(q[None], seq, position)  # [1], [1, V] or None
+        return int(token[0]), None if law is None else q, float(q.max()) if confidence else None
 
     def _tree(self, seq: Sequence, cache: KVCache, logits: torch.Tensor, budget: int) -> DraftProposal:
         """Top-k children are deterministic drafts (no q): verification uses the one-hot rule, in sampling too."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.sampling import draw_drafts, logits_to_probs
 from specdecode.config import MAX_DRAFT_TOKENS
 from specdecode.drafters.base import DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.dflash import DFlashDrafter, shared_weights
@@ -81,7 +81,7 @@ class DSparkDrafter(DFlashDrafter):
         correction reads slot k-1's draft), each from its own corrected law, until a slot is doubtful."""
         slots = hidden.shape[0]
         drafts: list[int] = []
-        laws: list[torch.Tensor] = []  # [1, V] each: the law each draft was drawn from
+        laws: list[torch.Tensor] = []  # [1, V] each: the law each draft was drawn from (none when coupled)
         previous = self._root(seq)  # [1]
         with torch.inference_mode():
             markov = self.model.start_state(1)  # [1, r]
@@ -94,8 +94,10 @@ class DSparkDrafter(DFlashDrafter):
                 if seq.sampling.greedy:
                     previous = logits.argmax(dim=-1)  # [1]
                 else:
-                    laws.append(logits_to_probs(logits, seq.sampling))
-                    previous = sample(laws[-1], seq.generator)
+                    q = logits_to_probs(logits, seq.sampling)  # [1, V]
+                    previous, law = draw_drafts(q, seq, len(seq.tokens) + slot)  # [1], [1, V] or None
+                    if law is not None:
+                        laws.append(law)
                 drafts.append(int(previous))
         return DraftProposal.chain(drafts, torch.cat(laws) if laws else None, self.name)
 

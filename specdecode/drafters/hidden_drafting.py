@@ -1,6 +1,7 @@
 """A chain drafted step by step from a drafter's own hidden state: EAGLE-3 heads and MTP modules alike. Before
 drafting, the drafter reads the target's rows of every position committed since (`read_pending`). Each step then
-takes a token from the logits it has (argmax when greedy, else a draw and the law it came from) and, while the
+takes a token from the logits it has (argmax when greedy, else a draw: with the request's coupled noise at that
+position, or from the generator with the law it came from) and, while the
 budget lasts, runs the drafter one position on to get the next logits and hidden state. Several requests share
 each of these forwards in a batched step: the catch-up padded per group of caches with room, then the chains
 still drafting together."""
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdecode.acceptance.sampling import logits_to_probs, sample
+from specdecode.acceptance.sampling import draw_drafts, logits_to_probs
 from specdecode.models.decoder.forward_inputs import forward_groups
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.spec_types import DraftProposal, Sequence
@@ -29,9 +30,9 @@ BatchStep = Callable[[int, list[int], torch.Tensor, torch.Tensor], tuple[torch.T
 def draft_chains(seqs: list[Sequence], budgets: list[int], logits: list[torch.Tensor], hidden: list[torch.Tensor],
                  step: BatchStep, source: str) -> list[DraftProposal]:
     """Each sequence's logits [V] and hidden [H] at its last committed position -> up to its budget of tokens;
-    the chains still drafting share each step. Greedy drafts are deterministic: verification must not see a q for
-    them (it would bias sampling). Each sequence draws from its own generator, so a chain is the same whichever
-    others run beside it, given the same logits."""
+    the chains still drafting share each step. Greedy and coupled drafts are deterministic: verification must not
+    see a q for them (it would bias sampling). Each sequence draws with its own generator or noise, so a chain is the
+    same whichever others run beside it, given the same logits."""
     tokens: list[list[int]] = [[] for _ in seqs]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]  # the laws sampled drafts were drawn from, [V] each
     logits, hidden = list(logits), list(hidden)
@@ -44,8 +45,10 @@ def draft_chains(seqs: list[Sequence], budgets: list[int], logits: list[torch.Te
                 token = int(logits[b].argmax())
             else:
                 q = logits_to_probs(logits[b], seq.sampling)  # [V]: the law the draft token is drawn from
-                token = int(sample(q, seq.generator))
-                rows[b].append(q)
+                drawn, law = draw_drafts(q[None], seq, len(seq.tokens) + i)  # [1], [1, V] or None
+                token = int(drawn[0])
+                if law is not None:
+                    rows[b].append(q)
             tokens[b].append(token)
             if i + 1 < budgets[b]:
                 going.append(b)

@@ -20,7 +20,8 @@ prior alone can hide a good one behind a member that has learnt its worth.
 
 Losslessness needs the choice to be made before a random draft is drawn: a member that samples its drafts
 (caps.emits_probs) is judged on its estimates alone and, once asked, its proposal is used (a choice that looked
-at sampled tokens would skew the law they were drawn from). Deterministic members (lookups) cost little, are
+at sampled tokens would skew the law they were drawn from under rejection sampling; under the coupled rule no
+choice can change the output). Deterministic members (lookups) cost little, are
 asked every step, and are judged on the proposal they made.
 """
 

@@ -20,9 +20,9 @@ from time import perf_counter
 import torch
 
 from specdecode.acceptance.logprobs import TokenLogprob, token_logprobs
+from specdecode.acceptance.noise import PositionNoise
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
-from specdecode.acceptance.verify import verify
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
 from specdecode.drafters.registry import check_resources, expand_spec, resolve_spec
@@ -230,12 +230,17 @@ class Engine:
         self.check_prompt(prompt_ids)
         drafter = self.drafter(spec)
         draft_length = self._draft_length(drafter, spec)
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         generator = torch.Generator(device=self.target.model.device)
-        generator.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
+        generator.manual_seed(seed)
+        rule = spec.verification_for(sampling)
+        noise = None if rule != "coupled" or sampling.greedy else PositionNoise(
+            seed, self.target.config.vocab_size, self.target.model.device)
         # A hybrid trunk's recurrent states roll back over one verify forward's rows (root and proposed nodes).
         cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec),
                                             rollback_rows=self._rollback_rows(drafter, spec))
-        stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed)
+        stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed,
+                                verification=rule, seed=seed)
         request = Request(
             list(prompt_ids), len(prompt_ids), sampling, spec, generator,
             min(self.context_limit, len(prompt_ids) + sampling.max_tokens), cache, drafter, draft_length.maximum,
@@ -243,7 +248,7 @@ class Engine:
             guard=SpeedGuard(self.plain_clock, spec.guard and drafter.caps.drafts), draft_length=draft_length,
             stats=stats, detokenizer=IncrementalDetokenizer(self.target.tokenizer, sampling.stop), arrived=arrived,
             chunk=chunk or len(prompt_ids), relaxation=None if spec.relaxed is None else Relaxed.parse(spec.relaxed),
-            provenance=provenance)
+            verification=rule, noise=noise, provenance=provenance)
         stats.drafter_notes = request.drafter_notes  # one dict: what the drafter notes is in the stats
         if self.prefix_cache is not None and reuse_prefix:
             reused = self.prefix_cache.restore(request)
@@ -263,7 +268,7 @@ class Engine:
             return None
         target_seconds = request.stats.prefill_seconds
         self.load_budget.observe_prefill(request.prompt_len - request.stats.cached_prompt_tokens, target_seconds)
-        first = verify(DraftProposal.empty(), prompt.logits, request.sampling, request.generator).next_token
+        first = request.verdict(DraftProposal.empty(), prompt.logits).next_token
         request.tokens.append(first)
         if request.provenance:
             request.pending_origins = [TokenOrigin("target")]
@@ -356,8 +361,7 @@ class Engine:
         keep the accepted path, commit."""
         proposal = draft.proposal
         capabilities.observe(request.drafter, request, fed, out)
-        result = verify(proposal, out.logits, request.sampling, request.generator, request.relaxation,
-                        block=request.spec.verification == "block")
+        result = request.verdict(proposal, out.logits)
         request.cache.keep(draft.start, result.kept_rows)
         request.tokens.extend(result.tokens)
         accepted_path = out.rows(result.kept_rows)

@@ -13,15 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from time import perf_counter
 
+import torch
+
 from specdecode.acceptance.logprobs import TokenLogprob
 from specdecode.acceptance.relaxed import Relaxed
+from specdecode.acceptance.verify import verify
 from specdecode.drafters import capabilities
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.provenance import StepTrace, TokenOrigin
 from specdecode.engine.speed_guard import SpeedGuard
 from specdecode.engine.stats import GenerationStats
 from specdecode.models.tokenizer import IncrementalDetokenizer
-from specdecode.spec_types import Sequence, TargetOutput
+from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Request(Sequence):
     arrived: float  # perf_counter() when the request was begun: its total time counts from here
     chunk: int  # prompt tokens per prefill forward (the whole prompt unless a server reads it in chunks)
     relaxation: Relaxed | None  # the opt-in lossy acceptance rule (spec.relaxed, parsed); None = exact
+    verification: str  # the rule its sampled drafts are verified by (SpecConfig.verification_for)
     # One per generated token when sampling.logprobs asks for them (acceptance/logprobs.py), else empty.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # The prompt's rows read so far (their hidden states; the last chunk's logits), joined once it is all read.
@@ -59,6 +63,14 @@ class Request(Sequence):
     # With provenance: the origins of the tokens committed and not yet handed out, and the step that made them.
     pending_origins: list[TokenOrigin] = field(default_factory=list)
     last_step: StepTrace | None = None
+
+    def verdict(self, proposal: DraftProposal, logits: torch.Tensor) -> VerifyResult:
+        """The request's rule on `proposal` and the target's rows for it (logits [N+1, V]; the root's alone for
+        the prefill's first token): coupled with its noise at the rows' positions, else by block or token-wise
+        rejection sampling with its generator."""
+        noise = None if self.noise is None else self.noise.for_proposal(proposal, len(self.tokens))  # [N+1, V]
+        return verify(proposal, logits, self.sampling, self.generator, self.relaxation,
+                      block=self.verification == "block", noise=noise)
 
     @property
     def started(self) -> bool:

@@ -10,9 +10,10 @@ per Engine so that each request starts with it. Below plain, the guard first hal
 drafting for a number of steps that doubles each time a probe fails again. A probe drafts one token; each window
 that beats plain lets the draft grow by one token again.
 
-Output never depends on the guard with greedy decoding. With sampling, which steps drafted decides which
-random draws make each token (the distribution is unchanged); timing decides the guard, so only with the guard
-off (`--no-guard`) does nothing a seeded request draws depend on timing.
+Output never depends on the guard with greedy decoding, nor with sampling under the coupled rule (each position's
+randomness is fixed by the seed: acceptance/noise.py). Under the block and token-wise rules, which steps drafted
+decides which random draws make each token (the distribution is unchanged); timing decides the guard, so only
+with the guard off (`--no-guard`) does nothing a seeded request draws depend on timing.
 """
 
 from __future__ import annotations

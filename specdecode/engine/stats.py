@@ -36,6 +36,8 @@ class GenerationStats:
     guard_shrinks: int = 0  # times the speed guard halved the draft length
     guard_pauses: int = 0  # times it paused drafting
     relaxed: str | None = None  # the opt-in lossy acceptance rule ("RULE:VALUE"), None when lossless
+    verification: str = "block"  # the rule sampled drafts were verified by (config.VERIFICATION_RULES)
+    seed: int | None = None  # the seed the request sampled with, given or picked: under coupled it reproduces the answer
     # What a drafter says of how it drafted, counted: "mtp_module_reused" (draft tokens made by an MTP model's
     # last module again, when it ships fewer modules than the draft is long).
     drafter_notes: dict[str, int] = field(default_factory=dict)
@@ -109,6 +111,8 @@ class GenerationStats:
             "method": self.method,
             "acceptance": self.relaxed or "exact",
             "lossless": self.lossless,
+            "verification": self.verification,
+            "seed": self.seed,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "drafted_tokens": self.drafted_tokens,
@@ -144,7 +148,8 @@ class GenerationStats:
 def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
     """Sum several requests' stats (the turns of a question, the questions of a run) into one."""
     relaxed = {part.relaxed for part in parts} - {None}
-    total = GenerationStats(method=method, relaxed=",".join(sorted(relaxed)) or None)
+    total = GenerationStats(method=method, relaxed=",".join(sorted(relaxed)) or None,
+                            verification=",".join(sorted({part.verification for part in parts})) or "block")
     for part in parts:
         for name in ("prompt_tokens", "new_tokens", "drafted_tokens", "accepted_tokens", "target_forwards",
                      "step_tokens", "drafting_steps", "rejections", "prefill_seconds", "drafter_prefill_seconds",

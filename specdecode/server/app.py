@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -239,7 +240,7 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         max_tokens = asked or min(settings.default_max_tokens, room)
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                                  min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=body.seed,
+                                  min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=_seed(body.seed),
                                   stop=body.stop_strings(), ignore_eos=bool(body.ignore_eos),
                                   logprobs=body.logprobs_asked())
         spec = settings.spec
@@ -256,6 +257,12 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
         raise APIError(400, str(error), param=error.param) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),
                reuse_prefix=body.cache_prompt is not False, provenance=bool(body.provenance))
+
+
+def _seed(asked: int | None) -> int:
+    """The request's seed: the client's, else one picked here. Either way the response's `speculative.seed` says which,
+    and a request is seeded, so under the coupled rule that seed reproduces the answer whatever was drafted."""
+    return asked if asked is not None else random.getrandbits(63)
 
 
 async def next_event(job: Job) -> GenerationEvent:

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
-from specdecode.config import MAX_DRAFT_TOKENS, MAX_LOGPROBS
+from specdecode.config import MAX_DRAFT_TOKENS, MAX_LOGPROBS, VERIFICATION_RULES
 from specdecode.drafters.registry import all_options
 
 # Strict types at the HTTP boundary: "stream": "yes" or "max_tokens": "8" is a 400, not a guess. JSON numbers
@@ -41,9 +41,11 @@ class _SpeculativeBase(BaseModel):
     model_config = STRICT | ConfigDict(extra="forbid")
     method: str | None = None
     num_draft_tokens: integer(ge=0, le=MAX_DRAFT_TOKENS) | None = None
-    verification: Literal["block", "token"] | None = Field(
-        default=None, description="how a sampled chain of drafts is verified: block (jointly) or token (token by "
-        "token); both lossless")
+    verification: Literal[VERIFICATION_RULES] | None = Field(
+        default=None, description="how sampled drafts are verified: coupled (the answer is plain decoding's at the "
+        "request's seed, token for token), block (a chain jointly) or token (token by token); all lossless; default: "
+        "the server's --verification, else the rule for a seeded request (every request has a seed, picked when not "
+        "given)")
 
     def drafter_options(self) -> dict:
         """The drafter options the request sets (the rest keep the server's)."""

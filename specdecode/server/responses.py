@@ -119,6 +119,7 @@ def usage(stats: GenerationStats) -> dict:
 
 def speculative(stats: GenerationStats) -> dict:
     return {"method": stats.method, "acceptance": stats.relaxed or "exact", "lossless": stats.lossless,
+            "verification": stats.verification, "seed": stats.seed,
             "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
