@@ -1,5 +1,5 @@
 """`specdecode check`: a verdict with numbers that passes a lossless configuration and catches a broken
-acceptance rule, greedy or sampled."""
+acceptance rule, greedy, coupled or sampled."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def test_a_lossless_configuration_passes_with_its_numbers(models, capsys, method
     assert code == 0 and report["passed"]
     assert all(case["first_difference"] is None and case["drafted"] > 0 for case in report["greedy"])
     assert any(case["accepted"] < case["drafted"] for case in report["greedy"])  # rejections were checked too
+    assert all(case["first_difference"] is None for case in report["sampled_identity"])
+    assert sum(case["drafted"] for case in report["sampled_identity"]) > 0
+    assert report["verification"] == "block"  # the distribution test judged the rule unseeded requests run
     sampled = report["sampling"]
     assert sampled["drafted"] > 0 and sampled["tested"] > 50 and sampled["statistic"] < sampled["critical"]
 
@@ -67,6 +70,22 @@ def test_a_greedy_rule_that_accepts_every_draft_is_caught(models, capsys, monkey
         assert case["logit_gap"] is None or case["logit_gap"] >= 0
 
 
+def test_a_coupled_rule_that_accepts_every_draft_is_caught(models, capsys, monkeypatch):
+    def accept_all(proposal, children, p, noise, relaxed_keeps=None):
+        tokens, path, row = proposal.tokens.tolist(), [], 0
+        while children[row]:
+            path.append(children[row][0])
+            row = path[-1] + 1
+        return VerifyResult(path, [tokens[i] for i in path] + [int((p[row] * noise[row]).argmax())], proposal.source)
+
+    monkeypatch.setattr(verify_module, "coupled_walk", accept_all)
+    code, report = run_check(models, capsys, "draft", trials=0)
+    assert code == 1 and not report["passed"]
+    assert all(case["first_difference"] is None for case in report["greedy"])  # greedy rule left alone
+    assert any(case["first_difference"] is not None for case in report["sampled_identity"])
+    assert all(case["logit_gap"] is None or case["logit_gap"] >= 0 for case in report["sampled_identity"])
+
+
 @pytest.mark.parametrize("rule", ["block", "token"])
 def test_a_sampling_rule_that_accepts_every_draft_is_caught(models, capsys, monkeypatch, rule):
     if rule == "token":
@@ -76,6 +95,7 @@ def test_a_sampling_rule_that_accepts_every_draft_is_caught(models, capsys, monk
     code, report = run_check(models, capsys, "draft", trials=300, extra=("--verification", rule))
     assert code == 1
     assert all(case["first_difference"] is None for case in report["greedy"])  # greedy rule left alone
+    assert "sampled_identity" not in report  # not promised under this rule
     assert report["sampling"]["drafted"] >= 300 and not report["sampling"]["passed"]
 
 

@@ -1,6 +1,9 @@
-"""Is speculative decoding lossless for this model, method and these prompts? Two tests, on the user's setup.
+"""Is speculative decoding lossless for this model, method and these prompts? Three tests, on the user's setup.
 
 Greedy: each prompt's output token for token against plain decoding through the same Engine.
+
+Sampled identity (the coupled rule): each prompt's sampled output at a seed token for token against plain decoding's
+at that seed, which the coupled rule promises whatever was drafted (acceptance/noise.py).
 
 Sampling: many short sampled runs of one prompt (one seed each). The engine samples the first token from the
 prefill, then drafts the second and verifies it: the second token comes from the acceptance rule and the third
@@ -19,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode.acceptance.chi_square import ChiSquare, chi_square
+from specdecode.acceptance.noise import PositionNoise
 from specdecode.acceptance.sampling import logits_to_probs
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine.engine import Engine
@@ -33,9 +37,9 @@ class IdentityCase:
     first_difference: int | None  # the first output position where the two differ; None = identical
     drafted: int
     accepted: int
-    # At the first difference: plain decoding's gap between its two likeliest tokens' logits there. A gap within
-    # rounding says a forward of several rows rounded differently from one row (a target that is not
-    # batch-invariant); a wide gap says a token was lost.
+    # At the first difference: plain decoding's margin there, between its two best tokens' logits (greedy) or log
+    # race scores, log p w (sampled). A margin within rounding says a forward of several rows rounded differently
+    # from one row (a target that is not batch-invariant); a wide one says a token was lost.
     logit_gap: float | None = None
 
     @property
@@ -57,25 +61,43 @@ class DistributionCase:
 
 
 def greedy_identity(engine: Engine, prompts: list[str], spec: SpecConfig, max_tokens: int) -> list[IdentityCase]:
+    return _identity(engine, prompts, spec, SamplingParams(max_tokens=max_tokens))
+
+
+def sampled_identity(engine: Engine, prompts: list[str], spec: SpecConfig, sampling: SamplingParams,
+                     max_tokens: int) -> list[IdentityCase]:
+    """Prompt i sampled at seed i under the coupled rule, against plain decoding at that seed."""
+    return [_identity(engine, [prompt], replace(spec, verification="coupled"),
+                      replace(sampling, max_tokens=max_tokens, seed=seed))[0] for seed, prompt in enumerate(prompts)]
+
+
+def _identity(engine: Engine, prompts: list[str], spec: SpecConfig, sampling: SamplingParams) -> list[IdentityCase]:
     cases = []
-    sampling = SamplingParams(max_tokens=max_tokens)
+    plain_spec = SpecConfig("none", verification=spec.verification)
     for prompt in prompts:
-        plain = engine.complete(prompt, sampling, SpecConfig("none")).token_ids
+        plain = engine.complete(prompt, sampling, plain_spec).token_ids
         result = engine.complete(prompt, sampling, spec)
         ours = result.token_ids
         differs = [i for i, (a, b) in enumerate(zip(plain, ours)) if a != b]
         first = differs[0] if differs else (None if len(plain) == len(ours) else min(len(plain), len(ours)))
         gap = None  # plain decoding's margin where the outputs part, when they part inside plain's output
         if first is not None and first < len(plain):
-            gap = _logit_gap(engine, engine.encode(prompt) + plain[:first])
+            gap = _margin(engine, engine.encode(prompt) + plain[:first], sampling)
         cases.append(IdentityCase(prompt, len(plain), first, result.stats.drafted_tokens,
                                   result.stats.accepted_tokens, gap))
     return cases
 
 
-def _logit_gap(engine: Engine, ids: list[int]) -> float:
-    """The target's top logit minus its second after `ids`, read in one forward."""
-    top = _last_logits(engine, ids).float().topk(2).values  # [2]
+def _margin(engine: Engine, ids: list[int], sampling: SamplingParams) -> float:
+    """Plain decoding's best score minus its second after `ids`, read in one forward: logits when greedy, log p w
+    (the coupled race's scores at that position, seeded by `sampling.seed`) when sampling."""
+    logits = _last_logits(engine, ids).float()  # [V]
+    if sampling.greedy:
+        scores = logits
+    else:
+        weights = PositionNoise(sampling.seed, logits.numel(), logits.device).rows([len(ids)])[0]  # [V]
+        scores = (logits_to_probs(logits, sampling) * weights).log()  # [V]
+    top = scores.topk(2).values  # [2]
     return float(top[0] - top[1])
 
 

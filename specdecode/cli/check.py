@@ -1,14 +1,15 @@
 """`specdecode check`: is this configuration lossless on my model and my prompts? A verdict with its numbers;
-exit code 0 when both tests pass, 1 when one fails (2 for a usage error, as everywhere)."""
+exit code 0 when every test passes, 1 when one fails (2 for a usage error, as everywhere)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from specdecode.cli.options import add_model_args, add_spec_args, build_engine, spec_from_args
-from specdecode.config import SamplingParams
+from specdecode.config import DEFAULT_VERIFICATION, SamplingParams
 from specdecode.errors import SpecDecodeError
 
 INVARIANCE = {
@@ -50,7 +51,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdecode.bench.check import greedy_identity, sampled_distribution
+    from specdecode.bench.check import greedy_identity, sampled_distribution, sampled_identity
     from specdecode.models.batch_invariance import batch_invariant
 
     if args.max_tokens < 1 or args.trials < 0:
@@ -71,21 +72,28 @@ def run(args: argparse.Namespace) -> int:
     say(f"greedy: {spec.method} against plain decoding on {len(args.prompts or DEFAULT_PROMPTS)} prompts; the "
         f"target's forward is {INVARIANCE[invariant]}")
     cases = greedy_identity(engine, args.prompts or DEFAULT_PROMPTS, spec, args.max_tokens)
-    for case in cases:
-        verdict = "identical" if case.identical else f"DIFFERS from token {case.first_difference}"
-        say(f"  {verdict:24} {case.tokens:4} tokens, {case.accepted}/{case.drafted} drafts accepted  "
-            f"{case.prompt[:48]!r}")
-        if case.logit_gap is not None:
-            say(f"    plain decoding's two likeliest tokens there differ by {case.logit_gap:.3g} in logit"
-                f"{NEAR_TIE if case.logit_gap < NEAR_TIE_GAP and not invariant else ''}")
+    say_cases(say, cases, "logit", invariant)
     greedy_ok = all(case.identical for case in cases)
 
     report = {"method": spec.method, "options": dict(spec.options), "batch_invariant": invariant,
               "greedy": [vars(c) for c in cases]}
+    identity_ok = True
+    if spec.verification in (None, "coupled"):  # the rule a seeded request runs by default, or the one named
+        say(f"sampled identity (coupled rule): prompt i at seed i against plain decoding at that seed, temperature "
+            f"{sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, min-p {sampling.min_p}")
+        sampled_cases = sampled_identity(engine, args.prompts or DEFAULT_PROMPTS, spec, sampling, args.max_tokens)
+        say_cases(say, sampled_cases, "log race score", invariant)
+        identity_ok = all(case.identical for case in sampled_cases)
+        report["sampled_identity"] = [vars(c) for c in sampled_cases]
+    else:
+        say(f"sampled identity: not promised under --verification {spec.verification} (only under coupled)")
+    # The distribution test judges the rule a request without a seed runs (seeded ones are the identity's).
+    spec = replace(spec, verification=spec.verification or DEFAULT_VERIFICATION["unseeded"])
+    report["verification"] = spec.verification
     sampling_ok = True
     if args.trials:
         say(f"sampling: {args.trials} runs at temperature {sampling.temperature}, top-k {sampling.top_k}, "
-            f"top-p {sampling.top_p}, min-p {sampling.min_p}")
+            f"top-p {sampling.top_p}, min-p {sampling.min_p}, verified by the {spec.verification} rule")
         case = sampled_distribution(engine, args.sampling_prompt, spec, sampling, args.trials, args.alpha,
                                     quiet=args.json)
         test = case.test
@@ -104,14 +112,26 @@ def run(args: argparse.Namespace) -> int:
         report["sampling"] = {"trials": case.trials, "tested": case.tested, "drafted": case.drafted,
                               "accepted": case.accepted, "passed": case.passed, **vars(test)}
     # Relaxed acceptance is lossy by design: whatever these prompts showed, the configuration is not lossless.
-    passed = greedy_ok and sampling_ok and spec.lossless
+    passed = greedy_ok and identity_ok and sampling_ok and spec.lossless
     report["passed"] = passed
     report["relaxed"] = spec.relaxed
     if args.json:
         print(json.dumps(report))
     else:
         relaxed = f", relaxed acceptance {spec.relaxed} (lossy by design)" if spec.relaxed else ""
+        identity = ("identical" if identity_ok else "differs") if "sampled_identity" in report else "not promised"
         print(f"{spec.method}: {'lossless on these tests' if passed else 'NOT lossless'} (greedy "
-              f"{'identical' if greedy_ok else 'differs'}, sampling "
+              f"{'identical' if greedy_ok else 'differs'}, sampled at a seed {identity}, sampling "
               f"{('passed' if sampling_ok else 'failed') if args.trials else 'not run'}{relaxed})")
     return 0 if passed else 1
+
+
+def say_cases(say, cases: list, margin: str, invariant: bool) -> None:
+    """One line per identity case; where one differs, plain decoding's margin there (in `margin` units)."""
+    for case in cases:
+        verdict = "identical" if case.identical else f"DIFFERS from token {case.first_difference}"
+        say(f"  {verdict:24} {case.tokens:4} tokens, {case.accepted}/{case.drafted} drafts accepted  "
+            f"{case.prompt[:48]!r}")
+        if case.logit_gap is not None:
+            say(f"    plain decoding's two best tokens there differ by {case.logit_gap:.3g} in {margin}"
+                f"{NEAR_TIE if case.logit_gap < NEAR_TIE_GAP and not invariant else ''}")
