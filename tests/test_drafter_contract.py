@@ -4,7 +4,9 @@ new drafter is held to it the day it registers:
 - greedy output equals plain decoding token for token (fp32 target), drafts both accepted and rejected;
 - the same, bitwise, on a w4a8 target (its kernels are batch-invariant, so verifying cannot change a bit);
 - under the coupled rule, sampled output at a seed equals plain decoding's at that seed, token for token (fp32,
-  bf16 and w4a8 targets, alone and in batched steps, with the speed guard and per-step choice on);
+  bf16 and w4a8 targets, alone and in batched steps, with the speed guard and per-step choice on), and a drafter
+  that samples draws with the noise of the positions its drafts take (the target as its own draft model: every
+  draft accepted);
 - sampled output follows the target's distribution (end to end, chi-square at alpha = 1e-4);
 - after every step the target's KV cache holds exactly the committed tokens, with the values a fresh prefill
   computes (so a tree's rollback kept the accepted path and nothing else);
@@ -33,6 +35,7 @@ from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.acceptance import verify as verify_module
+from specdecode.acceptance.noise import PositionNoise
 from specdecode.drafters.registry import DRAFTERS
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
@@ -206,6 +209,43 @@ def test_a_coupled_rule_keeping_a_draft_that_differs_is_caught(engine, monkeypat
     results = [engine.complete(prompt, coupled(seed), coupled_spec("draft", {}, 3)).token_ids
                for seed, prompt in enumerate(PROMPTS[:2])]
     assert results != [plain_sampled(engine, prompt, seed) for seed, prompt in enumerate(PROMPTS[:2])]
+
+
+SAMPLING_DRAFTERS = [name for name, cls in DRAFTERS.items() if cls.caps.emits_probs]
+
+
+@pytest.mark.parametrize("method", SAMPLING_DRAFTERS)
+def test_a_sampling_drafter_draws_with_the_noise_of_the_positions_it_drafts_for(engine, monkeypatch, method):
+    """Identity holds whatever is drafted, so it cannot see a drafter drawing with another position's noise (only
+    its acceptance would fall): each step, the rows a drafter asks for are those of the positions its drafts take,
+    in order, and the step's verification then asks for the root's and every node's."""
+    asked: list[list[int]] = []
+    rows = PositionNoise.rows
+    monkeypatch.setattr(PositionNoise, "rows", lambda noise, positions: asked.append(list(positions)) or rows(
+        noise, positions))
+    seq = started(engine, engine.encode(PROMPTS[0]), coupled(0), coupled_spec(method, {}, 4))
+    drafted = 0
+    try:
+        while seq.generated < MAX_TOKENS:
+            asked.clear()
+            length = len(seq.tokens)
+            engine.step(seq)
+            *drawn, verified = asked
+            nodes = len(verified) - 1  # a chain: the root's row and one per node
+            assert verified == list(range(length, length + nodes + 1))
+            assert [p for positions in drawn for p in positions] == list(range(length, length + nodes))
+            drafted += nodes
+    finally:
+        engine.finish(seq)
+    assert drafted > 0
+
+
+def test_the_target_as_its_own_draft_model_has_every_coupled_draft_accepted(pair):
+    """The same law and the same noise make the same token: a draft model that is the target drafts exactly the
+    target's coupled tokens."""
+    engine = Engine(pair[0], pair[0])
+    result = engine.complete(PROMPTS[1], coupled(4), coupled_spec("draft", {}, 4))
+    assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens == result.stats.drafted_tokens
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ import torch
 from specdecode.acceptance.chi_square import chi_square
 from specdecode.acceptance.noise import coupled_tokens, position_key, race_weights
 from specdecode.acceptance.sampling import logits_to_probs, sample
-from specdecode.acceptance.verify import greedy_walk, verify
 from specdecode.acceptance.tree import children_of
+from specdecode.acceptance.verify import greedy_walk, verify
 from specdecode.config import SamplingParams
 from specdecode.spec_types import DraftProposal, VerifyResult
 

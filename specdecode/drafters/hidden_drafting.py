@@ -1,10 +1,9 @@
 """A chain drafted step by step from a drafter's own hidden state: EAGLE-3 heads and MTP modules alike. Before
 drafting, the drafter reads the target's rows of every position committed since (`read_pending`). Each step then
 takes a token from the logits it has (argmax when greedy, else a draw: with the request's coupled noise at that
-position, or from the generator with the law it came from) and, while the
-budget lasts, runs the drafter one position on to get the next logits and hidden state. Several requests share
-each of these forwards in a batched step: the catch-up padded per group of caches with room, then the chains
-still drafting together."""
+position, or from the generator with the law it came from) and, while the budget lasts, runs the drafter one
+position on to get the next logits and hidden state. Several requests share each of these forwards in a batched
+step: the catch-up padded per group of caches with room, then the chains still drafting together."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class GenerationStats:
     guard_pauses: int = 0  # times it paused drafting
     relaxed: str | None = None  # the opt-in lossy acceptance rule ("RULE:VALUE"), None when lossless
     verification: str = "block"  # the rule sampled drafts were verified by (config.VERIFICATION_RULES)
-    seed: int | None = None  # the seed the request sampled with, given or picked: under coupled it reproduces the answer
+    seed: int | None = None  # the seed it sampled with, given or picked: under coupled it gives the same answer again
     # What a drafter says of how it drafted, counted: "mtp_module_reused" (draft tokens made by an MTP model's
     # last module again, when it ships fewer modules than the draft is long).
     drafter_notes: dict[str, int] = field(default_factory=dict)
