@@ -230,12 +230,15 @@ def test_per_category_keeps_the_first_questions_of_each_category(tmp_path):
     assert [q.question_id for q in load_questions([str(path)], per_category=2, limit=3)] == ["0", "1", "2"]
 
 
-def test_sampled_bench_reports_no_identity(tiny_pair, capsys):
+@pytest.mark.parametrize(("rule", "identical"), [((), 1.0), (("--verification", "block"), None)],
+                         ids=["coupled", "block"])
+def test_a_sampled_bench_reports_identity_only_where_the_rule_promises_it(tiny_pair, capsys, rule, identical):
+    """At a seed the coupled rule (the default then) makes every method's output plain decoding's; block does not."""
     target, draft, questions = tiny_pair
     code = main(["bench", "--dataset", questions, "--model", target, "--draft-model", draft, "--dtype", "float32",
-                 "--max-tokens", "6", "--methods", "draft", "--temperature", "0.8", "--seed", "1"])
+                 "--max-tokens", "6", "--methods", "draft", "--temperature", "0.8", "--seed", "1", *rule])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and last["draft"]["identical_rate"] is None
+    assert code == 0 and last["draft"]["identical_rate"] == identical
 
 
 def test_report_lists_each_divergence_with_its_top2_gap():

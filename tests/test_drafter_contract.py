@@ -416,7 +416,9 @@ def test_a_prompt_taken_from_the_prefix_cache_decodes_as_one_read_whole(pair, w4
     assert reused[3] == len(first_turn) + len(answer) - 1  # all but the answer's last token, which was never read
     assert whole[3] == 0
     assert reused[:3] == whole[:3], f"{method} {options}"
-    # Coupled sampling from the cached prefix: plain decoding's tokens at the seed, from a whole read.
-    sampled = cached.complete(second_turn, coupled(3, 12), coupled_spec(method, options, 3))
-    assert sampled.stats.cached_prompt_tokens > 0
-    assert sampled.token_ids == uncached.complete(second_turn, coupled(3, 12), coupled_spec("none", {}, 1)).token_ids
+    # A third turn sampled by the coupled rule from the cached second turn and answer: plain decoding's tokens at the
+    # seed, read whole.
+    third_turn = second_turn + reused[0] + w4a8_engine.encode(PROMPTS[2], raw=True)
+    sampled = cached.complete(third_turn, coupled(3, 12), coupled_spec(method, options, 3))
+    assert sampled.stats.cached_prompt_tokens == len(second_turn) + len(reused[0]) - 1
+    assert sampled.token_ids == uncached.complete(third_turn, coupled(3, 12), coupled_spec("none", {}, 1)).token_ids

@@ -31,7 +31,8 @@ class Ranked:
     speedup: float  # over plain decoding on the same prompts, in the same run
     acceptance_rate: float | None
     mean_accepted_length: float | None
-    identical_rate: float | None  # greedy outputs equal to plain decoding's (None when sampling)
+    # outputs equal to plain decoding's, greedy or coupled at the trial's seed (None under the other sampling rules)
+    identical_rate: float | None
     weights_bytes: int  # the models this method keeps in memory
 
 
@@ -58,7 +59,8 @@ def trial(engine: Engine, questions: list[Question], methods: list[MethodSpec],
         summary = summarize(raw[method.name], raw["none"])
         ranked.append(Ranked(method.name, method.spec, summary["tokens_per_second"], summary["speedup"],
                              summary.get("acceptance_rate"), summary.get("mean_accepted_length"),
-                             summary["identical_rate"] if sampling.greedy else None,
+                             summary["identical_rate"] if method.spec.verification_for(sampling) == "coupled"
+                             or sampling.greedy else None,
                              _weights_bytes(engine, method)))
     return sorted(ranked, key=lambda r: -r.tokens_per_second)
 

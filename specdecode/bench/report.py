@@ -90,7 +90,8 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
               "- accept: accepted / drafted tokens. ceiling: (1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. "
               "2022) with a the chance an examined draft token is accepted (accepted / (accepted + rejections)), "
               "k the mean draft length of the steps that drafted and c the measured draft cost ratio.",
-              "- identical: share of questions whose token ids equal plain decoding's (greedy).", "",
+              "- identical: share of questions whose token ids equal plain decoding's (greedy, or sampled at a seed by "
+              "the coupled rule).", "",
               "![speedup](speedup_by_category.png)", "", "![acceptance](acceptance_by_position.png)", ""]
     return "\n".join(lines)
 
@@ -108,7 +109,7 @@ def divergence_lines(summaries: dict[str, dict]) -> list[str]:
                 rows.append(f"| {name} | {qid} | {where} | - | - |")
     if not rows:
         return []
-    return ["", "## Divergences from plain decoding (greedy)", "",
+    return ["", "## Divergences from plain decoding (greedy, or coupled at a seed)", "",
             "| method | question | first differing token | target's top-2 gap there | near-tie |",
             "|---|---|---|---|---|", *rows]
 
