@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_import_follows_the_layer_rules():
-    linter = shutil.which("lint-imports")
+    # Beside this interpreter first: a virtual environment's tools need not be on PATH.
+    beside = Path(sys.executable).parent / "lint-imports"
+    linter = str(beside) if beside.is_file() else shutil.which("lint-imports")
     if linter is None:
         pytest.fail("lint-imports is missing: install the test extra (pip install -e '.[test]' -c constraints.txt)")
     run = subprocess.run([linter, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)

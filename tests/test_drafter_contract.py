@@ -314,10 +314,10 @@ def test_the_kv_cache_holds_exactly_the_committed_tokens(engine, method, options
             model(torch.tensor([seq.tokens[:-1]]), torch.arange(committed).unsqueeze(0), fresh)
         assert torch.equal(seq.cache.positions[0, :committed], torch.arange(committed))
         # A hybrid trunk's keys went through its recurrent layers, whose one-forward read sums in another order.
-        tolerance = {"atol": 1e-4, "rtol": 1e-4} if model.config.is_hybrid else {"atol": 1e-5}
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if model.config.recurrent_layers else {"atol": 1e-5}
         for ours, reference in ((seq.cache.keys, fresh.keys), (seq.cache.values, fresh.values)):
             assert torch.allclose(ours[:, :, :, :committed], reference, **tolerance)
-        if model.config.is_hybrid:  # and the recurrent states are those of the committed tokens
+        if model.config.recurrent_layers:  # and the recurrent states are those of the committed tokens
             ours, reference = seq.cache.state(), fresh.state()
             for a, b in zip(ours.conv + ours.ssm, reference.conv + reference.ssm):
                 assert torch.allclose(a, b, **tolerance)

@@ -1,4 +1,4 @@
-"""Gemma 4's text trunk (models/decoder/gemma.py) against transformers' Gemma4ForCausalLM on tiny random configs:
+"""Gemma 4's text trunk (models/families/gemma4/trunk.py) against transformers' Gemma4ForCausalLM on tiny random configs:
 every part at once (PLE, KV-shared layers with the double-wide MLP, full layers with their own head size, KV
 heads and values from keys, proportional rope, a sliding window shorter than the prompt, soft-capped logits),
 none of them, and the multimodal checkpoint's layout. Logits agree within 1e-4 (float32, softcap 30)."""
@@ -10,7 +10,8 @@ import torch
 from gemma_reference import PLAIN, reference_model, save_gemma
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.gemma import GemmaTransformer
+from specdecode.models.families import family_of
+from specdecode.models.families.gemma4.trunk import GemmaTransformer
 from specdecode.models.loader import load_model, read_config
 
 TOLERANCE = 1e-4
@@ -80,8 +81,8 @@ def test_w4a8_follows_the_float_model(tmp_path):
 
 def test_the_config_is_read_from_either_naming(gemma_folder):
     config = read_config(gemma_folder)
-    assert config.architecture == "gemma4" and config.is_gemma
-    assert config.gemma.sliding_window in (5, 8)
+    assert config.architecture == "gemma4" and family_of(config).name == "gemma4"
+    assert config.family_parts.sliding_window in (5, 8)
 
 
 def test_a_mixture_of_experts_gemma_is_one_clear_error(tmp_path):
@@ -108,7 +109,7 @@ def test_a_gemma4_gguf_file_loads_as_its_folder(gemma_folder, tmp_path, quant):
     dtype = "float32" if quant == "none" else "bfloat16"
     from_file = load_model(path, dtype=dtype, quant=quant)
     from_folder = load_model(gemma_folder, dtype=dtype, quant=quant).model
-    assert from_file.config.gemma == from_folder.config.gemma
+    assert from_file.config.family_parts == from_folder.config.family_parts
     ids = prompt_ids()
     positions = torch.arange(PROMPT).unsqueeze(0)
     with torch.inference_mode():

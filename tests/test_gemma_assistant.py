@@ -1,4 +1,4 @@
-"""The Gemma 4 assistant (models/heads/gemma_assistant.py, drafters/gemma_assistant.py): its draft logits against
+"""The Gemma 4 assistant (models/families/gemma4/assistant.py, drafters/gemma_assistant.py): its draft logits against
 transformers' Gemma4AssistantForCausalLM fed the way transformers' candidate generator feeds it, with the full
 output head and the centroid head; `mtp` finding it beside the model or named; lossless drafting, greedy and
 sampled (the centroid head gives most tokens no probability, which rejection sampling must handle exactly)."""
@@ -13,12 +13,12 @@ from gemma_reference import SMALL, reference_model, save_assistant, save_gemma
 from test_engine_distribution import SETTINGS, VOCAB, assert_follows_the_target
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.drafters.assistant import assistant_path
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import DrafterResources
-from specdecode.drafters.gemma_assistant import assistant_path
 from specdecode.drafters.mtp import MTPDrafter
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats.gemma_assistant import load_assistant
+from specdecode.models.families.gemma4.assistant_format import load_assistant
 from specdecode.models.loader import load_model
 
 PROMPT = 20  # tokens: more than twice the sliding window (8)

@@ -11,9 +11,9 @@ from conftest import TINY_VOCAB, save_tiny_model
 from hybrid_reference import add_hybrid_mtp
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.gated_deltanet import SEQUENTIAL_ROWS, chunked_delta_rule, sequential_delta_rule
+from specdecode.models.families import config_from_hf
+from specdecode.models.families.qwen3_5.gated_deltanet import SEQUENTIAL_ROWS, chunked_delta_rule, sequential_delta_rule
 from specdecode.models.loader import load_model
-from specdecode.models.model_config import ModelConfig
 
 PATTERNS = {
     "one-full-in-four": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
@@ -242,7 +242,7 @@ def test_a_multimodal_checkpoint_loads_its_language_model_and_skips_the_vision_t
                                                     ("qwen3_next", "mixture-of-experts")])
 def test_moe_variants_are_refused_with_the_reason(model_type, words):
     with pytest.raises(SpecDecodeError, match=words):
-        ModelConfig.from_hf({"model_type": model_type, "vocab_size": 8})
+        config_from_hf({"model_type": model_type, "vocab_size": 8})
 
 
 def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(tmp_path):
@@ -289,7 +289,7 @@ def test_a_requests_admitted_size_bounds_the_states_its_verify_forwards_hold(tmp
     """A server admits requests by Engine.request_cache_bytes: for a hybrid target it must count the recurrent
     states kept for each row of a verify forward (a tree's every node), which is where its memory peaks."""
     from specdecode import Engine, SamplingParams, SpecConfig
-    from specdecode.models.decoder.recurrent_cache import HybridCache
+    from specdecode.models.families.qwen3_5.cache import HybridCache
 
     engine = Engine(load_model(save_tiny_model(tmp_path / "t", "qwen3_5", scale=0.3), dtype="float32"),
                     load_model(save_tiny_model(tmp_path / "d", "qwen2", scale=0.3), dtype="float32"))

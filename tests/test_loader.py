@@ -18,6 +18,7 @@ from gguf_files import F16, F32, Q8_0, hf_weights, llama3_rope_factors, write_gg
 from specdecode.errors import SpecDecodeError
 from specdecode.models import loader
 from specdecode.models.loader import load_model
+from specdecode.models.model_files import parameter_count
 
 # Same op-order rounding budget as tests/test_transformer.py: both sides fp32 on identical weights.
 LOGITS_ATOL = 1e-4
@@ -265,5 +266,5 @@ def test_invalid_dtype_lists_the_choices(tiny_models):
 def test_weights_bytes_counts_prepacked_bf16_weights(tiny_models):
     """oneDNN's prepacked linears are no module state; the memory they hold is counted all the same."""
     model = load_model(tiny_models["qwen2"], dtype="bfloat16")
-    assert model.weights_bytes >= 2 * model.config.parameter_count  # every matrix, in bf16, plus norms and biases
-    assert model.weights_bytes < 2.1 * model.config.parameter_count
+    assert model.weights_bytes >= 2 * parameter_count(model.config)  # every tensor, in bf16
+    assert model.weights_bytes < 2.1 * parameter_count(model.config)

@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.cli.main import main
 from specdecode.cli.options import draft_sources
-from specdecode.models.formats.mtp_companion import companion_beside, load_companion
+from specdecode.models.formats.mtp_companion import companion_beside
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
+from specdecode.models.model_files import load_companion
 
 TOKENS = list(range(40, 64))
 SAMPLING = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -53,7 +54,7 @@ def test_the_companion_is_found_beside_the_trunk_and_matches_the_published_forwa
     target = load_model(trunk_file, dtype="float32", quant="none")
     assert target.config.mtp_layers == 0 and target.config.num_layers == 3
     model = target.model
-    modules, description = load_companion(companion, model.config, model.dtype, model.device, "none")
+    modules, description = load_companion(companion, model, "none")
     assert description == "1 MTP layer(s) from the companion file mtp-model.gguf"
     count = len(TOKENS)
     with torch.inference_mode():
@@ -108,24 +109,24 @@ def test_a_companion_for_another_model_or_not_a_companion_is_one_error(split, tm
     root = split[0]
     target = load_model(root / "split" / "model.gguf", dtype="float32", quant="none").model
     with pytest.raises(SpecDecodeError, match="is not an MTP companion file"):
-        load_companion(root / "whole" / "model.gguf", target.config, target.dtype, target.device, "none")
+        load_companion(root / "whole" / "model.gguf", target, "none")
     with pytest.raises(SpecDecodeError, match="come as a GGUF file"):
-        load_companion(root / "with-mtp", target.config, target.dtype, target.device, "none")
+        load_companion(root / "with-mtp", target, "none")
     other = save_tiny_model(tmp_path / "other", "qwen2", scale=0.15, num_hidden_layers=2)
     add_mtp_layers(other, "deepseek")
     write_gguf(tmp_path / "mtp-other.gguf", other, "qwen2", quantized=False, part="mtp")
     with pytest.raises(SpecDecodeError, match="holds MTP layers for another model: num_layers 2 against the "
                                               "target's 3"):
-        load_companion(tmp_path / "mtp-other.gguf", target.config, target.dtype, target.device, "none")
+        load_companion(tmp_path / "mtp-other.gguf", target, "none")
     # The same sizes but a block without a tensor the target's blocks have (a model with other biases or norms).
     lacking = tmp_path / "lacking"
     shutil.copytree(root / "with-mtp", lacking)
     mtp_file = lacking / "model-mtp.safetensors"
     save_file({k: v for k, v in load_file(mtp_file).items() if "mlp.down_proj" not in k}, str(mtp_file))
     write_gguf(tmp_path / "mtp-lacking.gguf", lacking, "qwen2", quantized=False, part="mtp")
-    with pytest.raises(SpecDecodeError, match="MTP layer 0 does not fit the target \\(missing "
+    with pytest.raises(SpecDecodeError, match="its MTP layers do not fit the target \\(missing "
                                               "layers.3.mlp.down_proj.weight\\)"):
-        load_companion(tmp_path / "mtp-lacking.gguf", target.config, target.dtype, target.device, "none")
+        load_companion(tmp_path / "mtp-lacking.gguf", target, "none")
 
 
 def test_beside_a_draft_model_a_drafter_without_its_weights_says_so_itself():

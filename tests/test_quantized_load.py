@@ -15,6 +15,7 @@ from specdecode.models import loader, quantized_model
 from specdecode.models.formats import weight_source
 from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear, minmax_groups, rows_in_multiples
 from specdecode.models.loader import load_model
+from specdecode.models.model_files import open_gguf_weights
 
 # Inputs of 256 and 512 so every weight holds whole 256-weight K-quant blocks.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -147,7 +148,7 @@ def test_random_k_blocks_are_valid_for_gguf_py():
 def test_large_tensors_are_processed_in_row_chunks_with_the_same_result():
     from types import SimpleNamespace
 
-    from specdecode.models.formats.gguf_convert import dequantize_tensor
+    from specdecode.models.formats.gguf_read import dequantize_tensor
 
     rows = 4096 + 912  # more than one chunk of rows, and a ragged last one
     weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)) * 0.1  # [N, K]
@@ -169,7 +170,7 @@ def test_large_tensors_are_processed_in_row_chunks_with_the_same_result():
 def test_building_64_rows_at_a_time_gives_the_same_model(mixed_gguf, monkeypatch, quant):
     """The build reads blocks of rows, never a whole tensor in float32; the blocks' size must not matter."""
     def build() -> dict[str, torch.Tensor]:
-        source = weight_source.GGUFWeights(mixed_gguf)
+        source = open_gguf_weights(mixed_gguf)
         model = quantized_model.build_quantized(source, source.config, mixed_gguf, torch.bfloat16, quant, 32, True)
         return model.state_dict()
 
@@ -194,7 +195,7 @@ def test_building_64_rows_at_a_time_gives_the_same_model(mixed_gguf, monkeypatch
 
 @pytest.mark.parametrize("mixed_gguf", ["qwen2", "llama"], indirect=True)
 def test_gguf_rows_read_alone_equal_the_same_rows_of_the_whole(mixed_gguf):
-    source = weight_source.GGUFWeights(mixed_gguf)
+    source = open_gguf_weights(mixed_gguf)
     rows = slice(64, 192)
     for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
                  "layers.0.self_attn.v_proj.weight", "embed_tokens.weight"):

@@ -1,5 +1,5 @@
 """The server reads every prompt in chunks, one per tick between rounds of steps (prefill.py, server/scheduler.py,
-server/prefill_pace.py): the answers stay what each request gives alone, a short request is answered while a long
+engine/prefill_pace.py): the answers stay what each request gives alone, a short request is answered while a long
 prompt is still read, and a request cancelled, timed out or shut down while its prompt is read stops within one
 chunk and frees its place and its memory. No test here reads a clock: the order of events is what is checked."""
 
@@ -19,7 +19,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
 from specdecode.server.app import create_app
-from specdecode.server.prefill_pace import (
+from specdecode.engine.prefill_pace import (
     FIRST_CHUNK_TOKENS,
     MAX_CHUNK_TOKENS,
     MIN_CHUNK_SECONDS,
@@ -112,7 +112,7 @@ def test_a_short_request_decodes_while_a_long_prompt_is_read(float_engine, monke
     scheduler = Scheduler(float_engine, max_active=4, batching=batching, prefill_chunk=CHUNK)
     scheduler.submit(logged_job(float_engine, log, "long", long_prompt(), 2))
     scheduler._tick()  # the long prompt's first chunk, with no one decoding: a chunk, not the whole prompt
-    assert [entry[0] for entry in log] == ["chunk"] and len(scheduler.starting) == 1
+    assert [entry[0] for entry in log] == ["chunk"] and len(scheduler.batch.starting) == 1
     scheduler.submit(logged_job(float_engine, log, "short", [65, 66, 67], 6))
     for _ in range(10 * LONG):
         if scheduler.load == (0, 0):

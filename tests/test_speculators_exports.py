@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdecode.models.families import config_to_hf
 from specdecode.models.formats.dflash import load_dflash
 from specdecode.models.formats.dspark import load_dspark
 from specdecode.models.formats.eagle3 import load_eagle3_head
-from specdecode.models.formats.speculators_export import save_block_speculators, save_eagle3_speculators
+from specdecode.models.formats.speculators_export import Verifier, save_block_speculators, save_eagle3_speculators
 from specdecode.models.loader import load_model
 from specdecode.training.dflash import block_objective
 from specdecode.training.dspark import dspark_objective
@@ -84,12 +85,12 @@ def test_the_exporters_still_write_the_files_speculators_read(target, tmp_path, 
     """Read back and written again, each export is the committed one, config and tensors: the oracle's verdict
     holds for what the exporters write today."""
     folder = FIXTURES / kind
+    verifier = Verifier(VERIFIER_NAME, config_to_hf(target.config)["architectures"])
     if kind == "eagle3":
-        save_eagle3_speculators(load_eagle3_head(folder, target.model, 64)[0], tmp_path, target.config,
-                                VERIFIER_NAME)
+        save_eagle3_speculators(load_eagle3_head(folder, target.model, 64)[0], tmp_path, verifier)
     else:
         load = load_dflash if kind == "dflash" else load_dspark
-        save_block_speculators(load(folder, target.model, 64)[0], tmp_path, target.config, VERIFIER_NAME)
+        save_block_speculators(load(folder, target.model, 64)[0], tmp_path, verifier)
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
     written, committed = load_file(str(tmp_path / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert written.keys() == committed.keys()

@@ -16,8 +16,8 @@ from mtp_reference import add_mtp_layers
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.cli.main import main
 from specdecode.cli.train import training_texts
-from specdecode.models.formats.mtp_companion import load_companion
 from specdecode.models.loader import load_model
+from specdecode.models.model_files import load_companion
 from specdecode.training.eagle3 import feature_layer_ids
 from specdecode.training.features import check_manifest, extract
 from specdecode.training.loop import TrainSettings, expected_accepted
@@ -132,7 +132,7 @@ def test_a_gguf_target_gets_a_gguf_with_its_nextn_layers(tmp_path, capsys):
     companion = tmp_path / "out" / "mtp-tiny.gguf"
     assert f"--draft-model {companion}" in err
     original = load_model(gguf_path, dtype="float32", quant="none").model
-    modules, _ = load_companion(companion, original.config, original.dtype, original.device, "none")
+    modules, _ = load_companion(companion, original, "none")
     with torch.inference_mode():
         trunk = original(torch.tensor([tokens]), torch.arange(20)[None], original.new_cache(20), final_hidden=True)
         beside = original.mtp_forward(0, torch.tensor([tokens[1:]]), trunk.final_hidden[:, :-1],

@@ -69,10 +69,10 @@ def write_random_gguf(path: Path) -> None:
     import gguf
     from gguf_gemma4_files import gemma4_gguf_name, gemma4_header
 
-    from specdecode.models.formats.gemma_names import gemma_shapes, gemma_sources
-    from specdecode.models.model_config import ModelConfig
+    from specdecode.models.families import config_from_hf
+    from specdecode.models.families.gemma4.tensors import gemma_shapes, gemma_sources
 
-    config = ModelConfig.from_hf(E2B)
+    config = config_from_hf(E2B)
     shapes = gemma_shapes(config)
     needed = sorted({name for names in gemma_sources(config).values() for name in names})
     writer = gguf.GGUFWriter(str(path), "gemma4", use_temp_file=True)

@@ -35,8 +35,8 @@ def write_random(folder: Path, shape: dict) -> Path:
     """A random Qwen 3.5 text model of `shape` in bf16 (written once)."""
     if (folder / "config.json").is_file():
         return folder
-    from specdecode.models.formats.hybrid_names import hybrid_shapes
-    from specdecode.models.model_config import ModelConfig
+    from specdecode.models.families import config_from_hf
+    from specdecode.models.families.qwen3_5.tensors import hybrid_shapes
 
     config = {"model_type": "qwen3_5_text", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
               "tie_word_embeddings": True, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
@@ -44,7 +44,7 @@ def write_random(folder: Path, shape: dict) -> Path:
               "eos_token_id": 248046, **shape}
     generator = torch.Generator().manual_seed(0)
     tensors = {}
-    for name, dims in hybrid_shapes(ModelConfig.from_hf(config)).items():
+    for name, dims in hybrid_shapes(config_from_hf(config)).items():
         if name == "lm_head.weight" or "bias" in name and "dt_bias" not in name:
             continue
         if len(dims) == 1:

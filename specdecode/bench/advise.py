@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 from specdecode.bench.datasets import Question
 from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import MethodSpec
-from specdecode.drafters import capabilities
 from specdecode.bench.suite import run_all, runner_factories
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters import capabilities
 from specdecode.drafters.registry import DRAFTERS, needs_draft_model
 from specdecode.engine.engine import Engine
 

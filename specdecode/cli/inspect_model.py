@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdecode.drafters.registry import with_own_weights
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
-from specdecode.models.model_config import NOT_SUPPORTED
 
 if TYPE_CHECKING:
     from specdecode.models.survey import ModelSurvey
@@ -26,12 +26,13 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdecode.models.families.registry import why_not_run
     from specdecode.models.loader import resolve_source
     from specdecode.models.survey import drafters_beside, survey
 
     source = resolve_source(args.model, quiet=args.json)
     facts = survey(source)
-    drafters = drafters_beside(source, [trained_folder(kind, args.model) for kind in ("eagle3", "dflash", "dspark")])
+    drafters = drafters_beside(source, [trained_folder(kind, args.model) for kind in with_own_weights()])
     drafts = _draft_models(args.model) if facts.runs else []
     methods = _methods(facts, drafters, drafts)
     report = {
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{args.model}: {report['format']} at {source}")
-    why_not = NOT_SUPPORTED.get(facts.architecture, "this runtime does not run it")
+    why_not = why_not_run(facts.architecture) or "this runtime does not run it"
     print(f"  architecture: {facts.architecture} ({'runs here' if facts.runs else why_not})")
     print(f"  MTP layers: {facts.mtp_line()}")
     print("  drafters beside it: " + (", ".join(f"{kind} at {path}" for kind, path in drafters) or "none found"))
@@ -80,15 +81,19 @@ def _methods(facts: ModelSurvey, drafters: list[tuple[str, Path]], drafts: list[
         return [("none", False, f"this runtime does not run {facts.architecture!r} models yet", "")]
     heads = [path for kind, path in drafters if kind == "eagle3"]
     blocks = {kind: [path for found, path in drafters if found == kind] for kind in ("dflash", "dspark")}
-    assistants = [path for kind, path in drafters if kind == "gemma4_assistant"]
-    others = sorted({kind for kind, _ in drafters if kind not in ("eagle3", "dflash", "dspark", "gemma4_assistant")})
+    from specdecode.models.survey import assistant_titles
+
+    shipped = assistant_titles()
+    assistants = [(kind, path) for kind, path in drafters if kind in shipped]
+    others = sorted({kind for kind, _ in drafters if kind not in {"eagle3", "dflash", "dspark", *shipped}})
     if facts.mtp_present:
         rows = [("mtp", True, f"ships {facts.mtp_present} MTP layer(s), no other download", "--spec-type mtp")]
     elif facts.mtp_companion is not None:
         rows = [("mtp", True, f"{facts.mtp_companion_layers} MTP layer(s) in {facts.mtp_companion.name} beside it, "
                  "read with it", "--spec-type mtp")]
-    elif assistants:  # Gemma 4 ships its MTP as an assistant model
-        rows = [("mtp", True, f"the Gemma 4 assistant {assistants[0].name} beside it", "--spec-type mtp")]
+    elif assistants:  # a family that ships its MTP as an assistant model (Gemma 4)
+        kind, path = assistants[0]
+        rows = [("mtp", True, f"the {shipped[kind]} {path.name} beside it", "--spec-type mtp")]
     elif facts.mtp_dropped:
         rows = [("mtp", False, "its config declares MTP layers but this file dropped them: use a file that keeps "
                  "them, or `specdecode train mtp`", "")]

@@ -12,9 +12,9 @@ from specdecode.cli.options import add_model_args, add_spec_args, build_engine, 
 from specdecode.config import SpecConfig
 from specdecode.drafters import needs_draft_files
 from specdecode.drafters.registry import DRAFTERS, all_options, resolve_spec, with_serve_defaults
+from specdecode.engine.prefill_pace import MIN_CHUNK_SECONDS
 from specdecode.errors import SpecDecodeError
 from specdecode.server import DEFAULT_PUBLIC_ROUTES, ROUTE_GROUPS
-from specdecode.server.prefill_pace import MIN_CHUNK_SECONDS
 
 MAX_SECONDS = 1e7  # about four months; asyncio's timers overflow on far larger values
 

@@ -18,19 +18,23 @@ trains on hidden states vLLM wrote (`--vllm-hidden-states`), and writes vLLM's s
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from specdecode.drafters.registry import DRAFTERS, with_own_weights
 from specdecode.errors import SpecDecodeError
 from specdecode.models.formats.default_models import DEFAULT_TARGET
 from specdecode.models.formats.drafter_folder import trained_folder
 
 CHAT_PROMPT_LIMIT = 100_000  # far more than any budget answers; chat_prompts() never ends
-KINDS = ("eagle3", "mtp", "dflash", "dspark", "vocab")
-BLOCK_KINDS = ("dflash", "dspark")
+# The drafters with weights of their own (the registry's, caps.draft_files) are the kinds trained here, each by
+# training/<kind>.py's train_<kind>; vocab counts the target's tokens for a draft model's reduced head.
+KINDS = (*with_own_weights(), "vocab")
+BLOCK_KINDS = tuple(name for name in with_own_weights() if DRAFTERS[name].caps.block_size)  # anchored blocks
 
 
 def add_parser(commands) -> None:
@@ -38,86 +42,116 @@ def add_parser(commands) -> None:
     train.add_argument("kind", choices=KINDS, help="the drafter to train; vocab: count the tokens the target "
                        "emits most in its own answers (--answers, --answer-tokens), which a draft model's "
                        "draft_vocab then drafts over")
-    train.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
-    train.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/KIND/TARGET_NAME, "
+    _add_target_args(train)
+    _add_data_args(train)
+    _add_drafter_args(train)
+    _add_run_args(train)
+    _add_scale_args(train)
+    train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.set_defaults(run=run)
+
+
+def _add_target_args(train: argparse.ArgumentParser) -> None:
+    """The target, where the results and the features go, and how the target runs."""
+    group = train.add_argument_group("target")
+    group.add_argument("--target", default=DEFAULT_TARGET, help=f"the target model (default {DEFAULT_TARGET})")
+    group.add_argument("--out", help="folder for the checkpoints and the result (default: CACHE/KIND/TARGET_NAME, "
                        "where --spec-type auto finds an EAGLE-3 head; CACHE as for the default models)")
-    train.add_argument("--features", help="folder for the target's features, shared by every drafter kind "
+    group.add_argument("--features", help="folder for the target's features, shared by every drafter kind "
                        "(default: CACHE/features/TARGET_NAME)")
-    train.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
-    train.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
+    group.add_argument("--dtype", default="auto", help="the target's dtype (as generate's --dtype)")
+    group.add_argument("--quant", default="auto", help="the target's weights (as generate's --quant): train for "
                        "the target as you will run it")
-    train.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
-    train.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N], for features and training")
+
+
+def _add_data_args(train: argparse.ArgumentParser) -> None:
+    """The training text: how many tokens, of which kinds, and how long."""
+    group = train.add_argument_group("data")
+    group.add_argument("--tokens", type=int, default=150_000, help="training tokens of features (default 150000: "
                        "with the defaults below, 1 to 1.5 hours on 2 CPU cores for a 1.5B target, measured; fewer "
                        "tokens shorten it)")
-    train.add_argument("--held-out-tokens", type=int, default=6_000,
+    group.add_argument("--held-out-tokens", type=int, default=6_000,
                        help="held-out tokens of each kind: answers, chat (when --chat-share asks for it) and code "
                        "(default 6000)")
-    train.add_argument("--code-share", type=float, default=0.1,
+    group.add_argument("--code-share", type=float, default=0.1,
                        help="share of the training tokens that is the standard library's source, teacher-forced; "
                        "the rest is the target's own answers to prompts (default 0.1: a drafter drafts the target's "
                        "answers, and learns them several times faster from answers than from code)")
-    train.add_argument("--chat-share", type=float, default=0.5,
+    group.add_argument("--chat-share", type=float, default=0.5,
                        help="share of the target's answers (the tokens --code-share leaves) that answer chat-like "
                        "prompts (writing, role-play, reasoning, math, extraction, science, humanities, advice: "
                        "templates filled with topics the target lists itself); the rest answer standard-library "
                        "tasks (default 0.5: at the same budget, half each keeps most of what each alone teaches "
                        "on its own kind)")
-    train.add_argument("--answers", type=int, default=48, help="vocab: prompts the target answers (default 48)")
-    train.add_argument("--answer-tokens", type=int, default=384,
+    group.add_argument("--answers", type=int, default=48, help="vocab: prompts the target answers (default 48)")
+    group.add_argument("--answer-tokens", type=int, default=384,
                        help="tokens per answer at most (default 384: most answers end by themselves)")
-    train.add_argument("--max-len", type=int, default=768, help="tokens per training sequence at most (default 768)")
-    train.add_argument("--draft-vocab", type=int, default=16000,
+    group.add_argument("--max-len", type=int, default=768, help="tokens per training sequence at most (default 768)")
+
+
+def _add_drafter_args(train: argparse.ArgumentParser) -> None:
+    """The drafter's shape: its vocabulary, width, depth, blocks and heads."""
+    group = train.add_argument_group("drafter")
+    group.add_argument("--draft-vocab", type=int, default=16000,
                        help="draft vocabulary size (default 16000; published heads use 32000)")
-    train.add_argument("--intermediate-size", type=int,
+    group.add_argument("--intermediate-size", type=int,
                        help="the head's MLP width (default: half the target's, to fit a CPU hour; published heads "
                        "use the target's)")
-    train.add_argument("--num-layers", type=int,
+    group.add_argument("--num-layers", type=int,
                        help="mtp: modules to train (default 1; draft step k uses module min(k, K-1)); dflash, "
                        "dspark: draft layers (default 2)")
-    train.add_argument("--block-size", type=int, default=8,
+    group.add_argument("--block-size", type=int, default=8,
                        help="dflash, dspark: slots per block, the root included (default 8: on a CPU each verified "
                        "row costs; a DSpark block drafts all of them)")
-    train.add_argument("--anchors", type=int, default=16,
+    group.add_argument("--anchors", type=int, default=16,
                        help="dflash, dspark: blocks per training sequence (default 16)")
-    train.add_argument("--markov-rank", type=int, default=256,
+    group.add_argument("--markov-rank", type=int, default=256,
                        help="dspark: the Markov head's rank (default 256, as DeepSpec; 0 = none)")
-    train.add_argument("--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla",
+    group.add_argument("--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla",
                        help="dspark: the Markov head's kind (default vanilla, as DeepSpec's released drafters)")
-    train.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
-    train.add_argument("--epochs", type=int, default=2)
-    train.add_argument("--lr", type=float, default=3e-4)
-    train.add_argument("--eval-every", type=int, default=100,
+
+
+def _add_run_args(train: argparse.ArgumentParser) -> None:
+    """The optimization: unroll, passes, learning rate, held-out measurements, batch."""
+    group = train.add_argument_group("optimization")
+    group.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training (default 3)")
+    group.add_argument("--epochs", type=int, default=2)
+    group.add_argument("--lr", type=float, default=3e-4)
+    group.add_argument("--eval-every", type=int, default=100,
                        help="optimizer steps (of --batch sequences) between held-out measurements and checkpoints "
                        "(default 100)")
-    train.add_argument("--batch", type=int,
+    group.add_argument("--batch", type=int,
                        help="sequences per optimizer step, all ranks together, a multiple of the ranks (default: "
                        "one per rank, or the batch of the checkpoint resumed); the same batch and seed give the "
                        "same steps on any number of ranks")
-    train.add_argument("--nproc", type=int,
+
+
+def _add_scale_args(train: argparse.ArgumentParser) -> None:
+    """Beyond one process: torchrun's ranks, FSDP, vLLM's hidden states, speculators' layout."""
+    group = train.add_argument_group("beyond one process")
+    group.add_argument("--nproc", type=int,
                        help="train on N processes of this host: the command under torchrun (one per GPU with "
                        "--device cuda; gloo processes on the CPU); across hosts run torchrun yourself "
                        "(docs/training.md)")
-    train.add_argument("--fsdp", action="store_true",
+    group.add_argument("--fsdp", action="store_true",
                        help="on several ranks, shard the drafter, its gradients and optimizer state over them "
                        "(FSDP) instead of a whole copy per rank (DDP, the default): for a drafter too large to copy")
-    train.add_argument("--vllm-hidden-states", metavar="DIR",
+    group.add_argument("--vllm-hidden-states", metavar="DIR",
                        help="train on hidden states vLLM wrote in speculators' offline layout (DIR/hs_N.safetensors, "
                        "docs/training.md) instead of computing features here: the target's forwards run in vLLM, "
                        "across its GPUs; each rank still loads the target, whole, for its embedding, final norm "
                        "and head")
-    train.add_argument("--vllm-dataset", metavar="DIR",
+    group.add_argument("--vllm-dataset", metavar="DIR",
                        help="with --vllm-hidden-states: speculators' prepared dataset (its loss masks; default: the "
                        "hidden states' parent folder, where speculators writes them); needs pyarrow")
-    train.add_argument("--vllm-layer-ids",
+    group.add_argument("--vllm-layer-ids",
                        help="with --vllm-hidden-states: the layer ids vLLM captured, comma-separated, the last layer "
                        "included (default: speculators' 2, L/2, L-3, L for a target of L layers)")
-    train.add_argument("--speculators-layout", action="store_true",
+    group.add_argument("--speculators-layout", action="store_true",
                        help="eagle3, dflash, dspark: write the result in vLLM's speculators layout, which "
                        "speculators' own classes load (default: the kind's reference layout; both read here and "
                        "in vLLM)")
-    train.add_argument("--quiet", action="store_true", help="no progress bars")
-    train.set_defaults(run=run)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -210,12 +244,9 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
     from specdecode.models.loader import load_model
     from specdecode.training import ranks
     from specdecode.training.chat_tasks import chat_prompts, chat_topics
-    from specdecode.training.dflash import train_dflash
-    from specdecode.training.dspark import train_dspark
-    from specdecode.training.eagle3 import feature_layer_ids, train_eagle3
+    from specdecode.training.eagle3 import feature_layer_ids
     from specdecode.training.features import check_manifest, extract
     from specdecode.training.loop import TrainSettings, describe
-    from specdecode.training.mtp import train_mtp
 
     here = ranks.current()
     features = Path(args.features) if args.features else \
@@ -256,7 +287,7 @@ def train_drafter(args: argparse.Namespace, out: Path, device: str) -> int:
         with curve_file.open("w" if step == 0 else "a") as curve:  # step 0: training starts afresh
             curve.write(json.dumps({"step": step, "tokens": tokens, "held_out_acceptance": accuracy}) + "\n")
 
-    train = {"eagle3": train_eagle3, "mtp": train_mtp, "dflash": train_dflash, "dspark": train_dspark}[args.kind]
+    train = getattr(importlib.import_module(f"specdecode.training.{args.kind}"), f"train_{args.kind}")
     layout = {"speculators": True} if args.speculators_layout else {}
     result = train(target, features, out, settings, args.quiet or not here.main, record, **layout)
     if here.main:

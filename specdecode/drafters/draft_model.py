@@ -31,6 +31,7 @@ from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.formats.drafter_folder import trained_folder
 from specdecode.models.heads.draft_vocab import counted_ids, frequent_ids, read_counts, reduced_head, spread_to_vocab
 from specdecode.models.loader import LoadedModel
+from specdecode.models.model_files import parameter_count
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,11 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
     def create(cls, resources: DrafterResources, options: DraftModelOptions) -> DraftModelDrafter:
         cls.check_resources(resources, options)
         check_vocabularies(resources.target, resources.draft)
-        if options.draft_tree_nodes and resources.draft.config.is_hybrid:
+        if options.draft_tree_nodes and resources.draft.config.recurrent_layers:
             # Its tree levels would each start from states of nodes fed in earlier forwards, which the recurrent
             # cache does not keep (it rolls back over chains and over one forward's tree).
             raise SpecDecodeError(f"draft_tree_nodes needs a draft model with attention layers only; "
-                                  f"{resources.draft.name} is a hybrid (Gated DeltaNet) model, which drafts chains "
+                                  f"{resources.draft.name} has recurrent layers (Gated DeltaNet), so it drafts chains "
                                   "(leave draft_tree_nodes at 0; the target verifies trees from other drafters)")
         vocab = resources.target.config.vocab_size
         if not options.draft_vocab or options.draft_vocab >= min(vocab, resources.draft.config.vocab_size):
@@ -126,7 +127,7 @@ class DraftModelDrafter(Drafter, AutoMember, Batching, DeferredStart, MemorySizi
     def defer_start(self, seq: Sequence) -> None:
         # Room for the committed tokens plus what one proposal feeds beyond them (a chain, or a tree's levels).
         slack = seq.draft_limit * (self.options.draft_tree_width if self.tree else 1)
-        # A recurrent draft model rolls back over a drafting step's rows and its catch-up's (decoder/hybrid.py).
+        # A recurrent draft model rolls back over a drafting step's rows and its catch-up's (families/qwen3_5/trunk.py).
         cache = self.draft.model.new_cache(seq.capacity + slack, rollback_rows=2 * slack + 2)
         reused = seq.reused_drafter_rows.get(self.name)
         if reused is not None:  # the prompt's beginning, as an earlier request read it (prefix_cache.py)
@@ -342,7 +343,7 @@ def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
             f"{target.name!r} ({len(target_tokens)} tokens) differ first at id {first}; "
             "a draft model must share the target's tokenizer"
         )
-    target_params, draft_params = target.config.parameter_count, draft.config.parameter_count
+    target_params, draft_params = parameter_count(target.config), parameter_count(draft.config)
     if draft_params >= target_params:
         log.warning("draft model %s (%.2fB parameters) is not smaller than the target %s (%.2fB): "
                     "drafting will likely slow generation down", draft.name, draft_params / 1e9,

@@ -12,8 +12,8 @@ their rows of the current draft. Rows of a draft are dropped at commit.
 order learnt, most frequent first) plus the end-of-turn tokens: the output head, most of a one-layer module's
 cost on a CPU, shrinks to those rows. Verification still uses the full head, so the output cannot change.
 
-A Gemma 4 target ships its MTP as an assistant model beside it instead (drafters/gemma_assistant.py): `create`
-hands over to that drafter when it finds one.
+A family may ship its MTP as an assistant model beside the target instead (Gemma 4; drafters/assistant.py):
+`create` hands over to that drafter when it finds one.
 
 In a batched step (the server's), the requests drafting with the same modules share each forward, catch-up and
 drafted positions alike, where the modules are batch-invariant: every matmul w4a8, attention in the fixed-order
@@ -29,15 +29,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.drafters.assistant import AssistantDrafter, assistant_path
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources, NoOptions, option
 from specdecode.drafters.capabilities import AutoMember, Batching, MemorySizing
-from specdecode.drafters.gemma_assistant import GemmaAssistantDrafter, assistant_path
 from specdecode.drafters.hidden_drafting import draft_chains, read_pending
 from specdecode.drafters.registry import register
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant_mtp
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.families.registry import family_of
 from specdecode.models.heads.draft_vocab import frequent_ids, reduced_head, spread_to_vocab
 from specdecode.models.loader import module_bytes
 from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
@@ -95,7 +96,7 @@ class MTPDrafter(Drafter, AutoMember, Batching, MemorySizing):
             return "the target ships MTP layers"
         assistant = assistant_path(resources)
         if assistant is not None:
-            return f"the Gemma 4 assistant {assistant}"
+            return f"the {family_of(resources.target.config).assistant.title} {assistant}"
         path = _companion_path(resources)
         return None if path is None else f"MTP layers in {path}"
 
@@ -110,8 +111,8 @@ class MTPDrafter(Drafter, AutoMember, Batching, MemorySizing):
     def create(cls, resources: DrafterResources, options: MTPOptions) -> Drafter:
         model = resources.target.model
         config = model.config
-        if not config.mtp_layers and assistant_path(resources) is not None:  # Gemma 4 ships an assistant model
-            return GemmaAssistantDrafter.create(resources, options)
+        if not config.mtp_layers and assistant_path(resources) is not None:  # its family ships an assistant
+            return AssistantDrafter.create(resources, options)
         companion = _companion(resources)
         if not config.mtp_layers and companion is None:
             raise SpecDecodeError(_no_mtp_layers(resources))
@@ -230,7 +231,7 @@ def _companion_path(resources: DrafterResources) -> Path | None:
 
 def _companion(resources: DrafterResources) -> nn.ModuleList | None:
     """The MTP modules of the companion file (_companion_path), loaded once per Engine; None without one."""
-    from specdecode.models.formats.mtp_companion import load_companion
+    from specdecode.models.model_files import load_companion
 
     path = _companion_path(resources)
     if path is None:
@@ -238,7 +239,7 @@ def _companion(resources: DrafterResources) -> nn.ModuleList | None:
     model = resources.target.model
     key = f"mtp:{path.resolve()}"
     if key not in resources.own_weights:  # one copy per Engine, whatever else a configuration differs in
-        modules, description = load_companion(path, model.config, model.dtype, model.device, resources.draft_quant)
+        modules, description = load_companion(path, model, resources.draft_quant)
         log.info("%s", description)
         resources.own_weights[key] = modules
     return resources.own_weights[key]

@@ -140,6 +140,12 @@ def needs_draft_files(spec: SpecConfig) -> bool:
     return any(DRAFTERS[m].caps.draft_files for m in validate_method(spec))
 
 
+def with_own_weights() -> tuple[str, ...]:
+    """The drafters that read weights of their own (caps.draft_files): the kinds `specdecode train` trains and
+    `auto` and `inspect` look for where it writes them."""
+    return tuple(name for name, cls in DRAFTERS.items() if cls.caps.draft_files)
+
+
 def options_for(cls: type[Drafter], spec: SpecConfig) -> Any:
     """The drafter's own options from the spec (defaults for the rest), checked."""
     return _build_options(cls, dict(spec.options))

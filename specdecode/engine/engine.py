@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -25,7 +25,7 @@ from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
-from specdecode.drafters.registry import check_resources, expand_spec, resolve_spec
+from specdecode.engine.checked_spec import CheckedSpec, check
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
 from specdecode.engine.load_budget import BatchDraftBudget
@@ -98,13 +98,14 @@ class Engine:
         self._default_key = self._key(self.spec)
         self.drafter(self.spec)  # the default's weights load now: a bad folder fails before the first request
 
-    def check_spec(self, spec: SpecConfig) -> SpecConfig:
+    def check_spec(self, spec: SpecConfig, given: Iterable[str] = ()) -> CheckedSpec:
         """`spec` as this engine runs it: our method names, `auto` replaced by the drafters found for what was
-        loaded, checked against the registry and those resources; builds nothing (safe from any thread). A
-        SpecDecodeError says what is wrong."""
-        spec = expand_spec(resolve_spec(spec), self.resources)
-        check_resources(spec, self.resources)
-        return spec
+        loaded, checked against the registry and those resources (checked_spec.py; `given`: the drafter options a
+        user named, which must belong to its methods); builds nothing (safe from any thread). A SpecDecodeError
+        says what is wrong. Pass the result on: what takes a spec takes it without checking it again."""
+        if isinstance(spec, CheckedSpec) and spec.checked_by == id(self) and not given:
+            return spec
+        return check(spec, self.resources, id(self), given)
 
     def drafter(self, spec: SpecConfig) -> Drafter:
         """The drafter for `spec` (checked as check_spec does, `auto` expanded), created on first use and kept:

@@ -10,7 +10,7 @@ drafter with a KV cache of its own over the tokens (a draft model) has its rows 
 drafter starts from them (Drafter.token_caches).
 
 A hybrid target (Qwen 3.5) also needs the recurrent states after the reused rows, and those exist only where
-an entry ends (decoder/recurrent_cache.py), so its entries are reused whole or not at all: a chat's next turn,
+an entry ends (families/qwen3_5/cache.py), so its entries are reused whole or not at all: a chat's next turn,
 which begins with the whole of the last one, still hits. A recurrent draft model's rows are not kept (a cache's
 end_state() says whether its rows are reusable in part).
 
@@ -31,7 +31,6 @@ from specdecode.drafters import capabilities
 from specdecode.drafters.base import DrafterCaps
 from specdecode.engine.request import Request
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.recurrent_cache import RecurrentState
 from specdecode.spec_types import TargetOutput
 
 
@@ -44,7 +43,8 @@ class PrefixEntry:
     final_hidden: torch.Tensor | None  # [n, H] or None when that drafter read none
     # drafter name -> its own keys and values [L', Hkv', m, D'] of the first m <= n tokens (a draft model's)
     drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    recurrent: RecurrentState | None = None  # a hybrid target's states after all n rows
+    # what the cache holds beyond its rows after all n of them (a hybrid target's recurrent states: KVCache.end_state)
+    recurrent: object | None = None
 
     def usable_length(self, common: int) -> int:
         """Of `common` leading tokens shared with a prompt, how many can be reused (a hybrid entry: all or none)."""

@@ -8,30 +8,20 @@ from functools import partial
 import torch
 from torch import nn
 
-from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer
+from specdecode.models.decoder.layers import DecoderLayer
 from specdecode.models.decoder.mtp import MTPModule
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.families.registry import family_of
 from specdecode.models.heads.dflash import DFlashModel
 from specdecode.models.heads.eagle3 import Eagle3Head
 from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fixed_order_attention
-from specdecode.models.kernels.gemma_kernels import gemma_batch_invariant
-from specdecode.models.kernels.hybrid_kernels import hybrid_batch_invariant
-from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
 
 
 def batch_invariant(model: Transformer) -> bool:
-    """Every decoder layer fused for w4a8 with a w4a8 output head, or every layer a fixed-order float layer
-    (installed only with row-invariant linears) and the output head the one fix_float_layers probed. The
-    embedding and the final norm work row by row anyway."""
-    if model.config.is_hybrid:
-        return hybrid_batch_invariant(model)
-    if model.config.is_gemma:
-        return gemma_batch_invariant(model)
-    if all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers):
-        return isinstance(model.lm_head, W4A8Linear)
-    return (all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
-            and getattr(model.lm_head, "rows_invariant_checked", False))
+    """Whether the model's family made its layers batch-invariant here (fused w4a8 layers, or fixed-order float
+    ones, with an output head that sums the same way whatever its rows)."""
+    return family_of(model.config).batch_invariant(model)
 
 
 def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: torch.dtype) -> nn.ModuleList | None:
@@ -40,8 +30,10 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     operations work row by row) and the kernel reads their caches' dtype; else None. Their drafts then do not
     depend on what shares their forwards."""
     heads = list(head) if isinstance(head, nn.Sequential) else [head]  # a reduced head is a container of one
-    hybrid = isinstance(modules[0].block, HybridDecoderLayer)  # Qwen 3.5's: its attention is the block's mixer
-    attentions = [module.block.mixer if hybrid else module.block.attn for module in modules]
+    # A Llama-style block's attention is `attn`, and a fixed-order layer wraps the block; a hybrid trunk's block
+    # (Qwen 3.5's) names it `mixer`, which takes the kernel as an attribute.
+    llama_style = isinstance(modules[0].block, DecoderLayer)
+    attentions = [module.block.attn if llama_style else module.block.mixer for module in modules]
     linears = heads + [linear for module, attn in zip(modules, attentions) for linear in (
         module.proj, attn.qkv, attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
@@ -49,7 +41,7 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     if not _kernel_reads(cache_dtype, attentions[0].head_dim):
         return None
     attend = load_kernel().attend
-    if hybrid:  # its attention takes the kernel as an attribute
+    if not llama_style:
         for attn in attentions:
             attn.attend = attend
         return modules

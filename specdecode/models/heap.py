@@ -5,7 +5,7 @@ their own behaviour).
   of rows of that size come from the heap, which keeps them once freed: 1.2 GiB more anonymous memory at the peak
   of the 1.5B's quantized build. A fixed threshold keeps every block of 4 MB or more mapped, so freeing it
   returns it to the system.
-- A hybrid trunk's verify forward keeps each row's recurrent state (decoder/recurrent_cache.py; 1 MiB a Gated
+- A hybrid trunk's verify forward keeps each row's recurrent state (families/qwen3_5/cache.py; 1 MiB a Gated
   DeltaNet layer at Qwen 3.5 0.8B's shape, 144 MiB for 8 rows), and the next step frees most of them. With the
   heap's top trimmed back at 2x the threshold, every step faulted its pages in again: an 8-row verify took 44%
   longer than the same forward keeping no states (docs/benchmarks, 2026-12-04 hybrid). Up to 256 MB of freed heap

@@ -18,20 +18,14 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.auto_quant import choose_quant
 from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, pack_linears
-from specdecode.models.decoder.build import build_model
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.families.registry import config_from_hf, config_to_hf, family_of
 from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, cache_dir
-from specdecode.models.formats.gguf_convert import convert_gguf, write_tokenizer
-from specdecode.models.formats.weight_source import (
-    FolderWeights,
-    GGUFWeights,
-    matching_sources,
-    stacked,
-    with_present_mtp,
-)
-from specdecode.models.kernels.float_decoder import fix_float_layers
+from specdecode.models.formats.weight_source import FolderWeights, stacked
+from specdecode.models.gguf_conversion import convert_gguf, write_tokenizer
 from specdecode.models.kernels.quantized_linear import check_quant
 from specdecode.models.model_config import ModelConfig
+from specdecode.models.model_files import matching_sources, open_gguf_weights, with_present_mtp
 from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
 from specdecode.models.tokenizer import Tokenizer
 
@@ -163,7 +157,7 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
         # vocabulary (half a GiB of metadata for Qwen2.5's 151k tokens).
         return load_quantized(None, read_config(cache), source, cache, dtype, quant, group_size, quiet), cache
     if source.is_file():
-        weights = GGUFWeights(source)
+        weights = open_gguf_weights(source)
         config = weights.config
     else:
         config = read_config(source)
@@ -171,7 +165,7 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
         config = with_present_mtp(config, weights)
 
     def write_gguf_tokenizer(folder: Path) -> None:  # the file's own vocabulary, merges and chat template
-        (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
+        (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=1))
         write_tokenizer(source, folder, config)
 
     extra = write_gguf_tokenizer if source.is_file() else None
@@ -196,7 +190,7 @@ def read_config(folder: Path) -> ModelConfig:
         raise SpecDecodeError(f"{folder / 'config.json'} is not valid JSON ({error})") from None
     if not isinstance(hf, dict):
         raise SpecDecodeError(f"{folder / 'config.json'} must hold a JSON object, not {type(hf).__name__}")
-    return ModelConfig.from_hf(hf)
+    return config_from_hf(hf)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -215,13 +209,14 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str, quiet: bool = Tru
     sources = matching_sources(weights, folder, config)
     rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
     state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}
+    family = family_of(config)
     with torch.device("meta"):
-        model = build_model(config)
+        model = family.build(config)
     model.load_state_dict(state, strict=False, assign=True)
     model.finish_loading(rope_factors)
     if can_pack(model):
         pack_linears(model)
-    not_fixed = fix_float_layers(model)
+    not_fixed = family.fix_float(model)
     if not_fixed and device == "cpu" and not quiet:
         print(f"{folder.name}: PyTorch decoder layers, not batch-invariant ({not_fixed}): speculative output may "
               f"differ from plain decoding where the top two logits tie", file=sys.stderr)

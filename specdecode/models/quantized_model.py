@@ -32,19 +32,19 @@ from torch import nn
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.build import build_model
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.families.registry import family_of
 from specdecode.models.formats.atomic_folder import write_folder_atomically
 from specdecode.models.formats.default_models import cache_dir
 from specdecode.models.formats.gguf_int4 import Q4_K_GROUP
 from specdecode.models.formats.safetensors_read import read_tensors
-from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, matching_sources, row_blocks, stacked_as
+from specdecode.models.formats.weight_source import FolderWeights, GGUFWeights, row_blocks, stacked_as
 from specdecode.models.heap import free_large_blocks_promptly
 from specdecode.models.kernels.quantize_module import quantized_from_rows
 from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear
-from specdecode.models.kernels.w4a8_decoder import fuse_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 from specdecode.models.model_config import ModelConfig
+from specdecode.models.model_files import matching_sources
 
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-3"
@@ -79,7 +79,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
     sources = matching_sources(source, where, config)
     free_large_blocks_promptly()
     with torch.device("meta"):
-        model = build_model(config)
+        model = family_of(config).build(config)
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     floats = {name: stacked_as(source, names, dtype) for name, names in sources.items()
               if name.removesuffix(".weight") not in linears}  # norms, biases, embedding
@@ -91,7 +91,7 @@ def build_quantized(source: FolderWeights | GGUFWeights, config: ModelConfig, wh
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     rope_factors = source.get("rope_freqs") if "rope_freqs" in source.names() else None
-    fuse_layers(model)
+    family_of(model.config).fuse_w4a8(model)
     model.finish_loading(rope_factors)
     return model.eval()
 
@@ -123,7 +123,7 @@ def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path
 def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
     state = read_tensors(path)  # copies of their own, not views into the file: the kernels align their data
     with torch.device("meta"):
-        model = build_model(config)
+        model = family_of(config).build(config)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
@@ -142,7 +142,7 @@ def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Trans
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     rope_factors = state.pop("rope_freqs", None)
     model.load_state_dict(state, strict=True, assign=True)
-    fuse_layers(model)
+    family_of(model.config).fuse_w4a8(model)
     model.finish_loading(rope_factors)
     if model.dtype != dtype:
         raise SpecDecodeError(f"{path} holds a {model.dtype} model, not {dtype}; delete it to rebuild")

@@ -12,20 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.families.registry import FAMILIES, family_for_gguf, family_for_model_type
 from specdecode.models.formats import safetensors_read
 from specdecode.models.formats.gguf_header import read_header
 from specdecode.models.formats.mtp_companion import companion_beside, companion_layers
-from specdecode.models.model_config import MTP_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
-_GGUF_RUNS = ("llama", "qwen2", "qwen3", "qwen35", "gemma4")  # general.architecture values our loader reads (Mistral is "llama")
 # Where each published MTP naming keeps module j (drafter-formats.md section 2); {L} = the trunk's layer count.
 _MTP_PATTERNS = {
     "mimo": re.compile(r"model\.mtp_layers\.(\d+)\."),
     "qwen3.5": re.compile(r"mtp\.layers\.(\d+)\."),
 }
-# A drafter folder's kind by its config.json's architectures or speculators type (drafter-formats.md section 1).
-_DRAFTER_KINDS = (("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"), ("medusa", "medusa"),
-                  ("gemma4_assistant", "gemma4assistant"))
+# A drafter folder's kind by its config.json's architectures or speculators type (drafter-formats.md section 1);
+# the assistants families ship beside their models join them (drafter_kinds).
+_DRAFTER_KINDS = (("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"), ("medusa", "medusa"))
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def _survey_folder(folder: Path) -> ModelSurvey:
     if not isinstance(hf, dict):
         raise SpecDecodeError(f"{folder / 'config.json'} must hold a JSON object")
     model_type = str(hf.get("model_type"))
-    runs = MTP_ARCHITECTURES.get(model_type, model_type) in SUPPORTED_ARCHITECTURES
+    runs = family_for_model_type(model_type) is not None
     declared = int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0)
     trunk = int(hf.get("num_hidden_layers") or 0)
     names = _tensor_names(folder)
@@ -90,7 +89,8 @@ def _survey_gguf(path: Path) -> ModelSurvey:
     trunk = int(header.metadata.get(f"{arch}.block_count", 0)) - declared
     present = sum(f"blk.{trunk + j}.nextn.eh_proj.weight" in header.types for j in range(declared))
     companion = None if present else companion_beside(path)
-    return ModelSurvey(path, arch, arch in _GGUF_RUNS, declared, present, "gguf nextn" if present else None,
+    return ModelSurvey(path, arch, family_for_gguf(arch) is not None, declared, present,
+                       "gguf nextn" if present else None,
                        companion, companion_layers(companion) if companion is not None else 0)
 
 
@@ -104,7 +104,8 @@ def _indices(names: set[str], pattern: re.Pattern, offset: int = 0) -> int:
 
 
 def drafter_kind(folder: Path) -> str | None:
-    """"eagle3", "dflash", "dspark", "medusa" or "gemma4_assistant" when `folder` holds such a drafter (by its config.json), else None."""
+    """The kind of drafter `folder` holds ("eagle3", "dflash", "dspark", "medusa", or a family's shipped assistant),
+    by its config.json, else None."""
     try:
         hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
@@ -112,7 +113,18 @@ def drafter_kind(folder: Path) -> str | None:
     if not isinstance(hf, dict):
         return None
     described = " ".join([*map(str, hf.get("architectures") or []), str(hf.get("speculators_model_type", ""))]).lower()
-    return next((kind for kind, marker in _DRAFTER_KINDS if marker in described), None)
+    return next((kind for kind, marker in drafter_kinds() if marker in described), None)
+
+
+def drafter_kinds() -> tuple[tuple[str, str], ...]:
+    """(kind, how its config.json's architectures name it) for every drafter folder we recognise."""
+    shipped = tuple((f.assistant.kind, f.assistant.marker) for f in FAMILIES.values() if f.assistant is not None)
+    return _DRAFTER_KINDS + shipped
+
+
+def assistant_titles() -> dict[str, str]:
+    """The kinds of the assistants families ship beside their models (Gemma 4's) -> what messages call them."""
+    return {f.assistant.kind: f.assistant.title for f in FAMILIES.values() if f.assistant is not None}
 
 
 def drafters_beside(source: Path, extra: list[Path]) -> list[tuple[str, Path]]:

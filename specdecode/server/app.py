@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.drafters.registry import DRAFTERS, check_options_apply, resolve_spec
+from specdecode.drafters.registry import DRAFTERS
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import GenerationEvent
 from specdecode.errors import SpecDecodeError, quoted
@@ -61,7 +61,6 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     scheduler = Scheduler(engine, settings.max_active, settings.max_queued, settings.batching, settings.kv_memory,
                           settings.prefill_chunk)
     metrics = ServerMetrics()
-    weights = {role: m.weights_bytes for role, m in (("target", engine.target), ("draft", engine.draft)) if m}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,6 +81,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         public = frozenset(path for group in settings.public_routes for path in ROUTE_GROUPS[group])
         app.add_middleware(APIKeyGuard, key=settings.api_key, public_paths=public, count=count)
+    add_status_routes(app, engine, scheduler, metrics, settings)
+    add_generation_routes(app, engine, scheduler, metrics, settings)
+    return app
+
+
+def add_status_routes(app: FastAPI, engine: Engine, scheduler: Scheduler, metrics: ServerMetrics,
+                      settings: ServerSettings) -> None:
+    """What the server is and how it is doing: health, Prometheus metrics, the live view, the methods it runs and
+    the model it serves."""
+    weights = {role: m.weights_bytes for role, m in (("target", engine.target), ("draft", engine.draft)) if m}
 
     @app.get("/health")
     async def health() -> dict:
@@ -118,8 +127,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "specdecode"}]}
 
+
+def add_generation_routes(app: FastAPI, engine: Engine, scheduler: Scheduler, metrics: ServerMetrics,
+                          settings: ServerSettings) -> None:
+    """The two OpenAI generation routes, and their request schemas as this server runs them."""
     completion_request, chat_request = request_models(settings.model_name, engine.target.config.vocab_size,
                                                       engine.context_limit)
+    default_spec = engine.check_spec(settings.spec)  # a request without a method: the server's own
 
     @app.post("/v1/completions", openapi_extra=request_body(completion_request), responses=GENERATION_RESPONSES)
     async def completions(request: Request):
@@ -131,7 +145,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     async def serve_generation(request: Request, schema, chat: bool):
         body = await read_body(request, schema, settings.max_body_bytes)
-        job = build_job(engine, settings, body, chat)
+        job = build_job(engine, settings, default_spec, body, chat)
         try:
             scheduler.check_fits(job, exact=False)
         except SpecDecodeError as error:
@@ -156,9 +170,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         cls = DRAFTERS[method["name"]]
         runnable[cls.name] = sorted({cls.name, *cls.aliases, *([cls.vllm_method] if cls.vllm_method else [])})
         members[cls.name] = list(engine.check_spec(SpecConfig(cls.name)).methods)
-    default = list(engine.check_spec(settings.spec).methods)  # a request without a method: the server's own
-    publish_request_schemas(app, [completion_request, chat_request], runnable, members, default)
-    return app
+    publish_request_schemas(app, [completion_request, chat_request], runnable, members, list(default_spec.methods))
 
 
 class DrainingServer(uvicorn.Server):
@@ -220,7 +232,8 @@ def runnable_methods(engine: Engine) -> list[dict]:
     return methods
 
 
-def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job:
+def build_job(engine: Engine, settings: ServerSettings, default_spec: SpecConfig, body, chat: bool) -> Job:
+    """The job a request body asks for; `default_spec`: the server's spec as the engine checked it."""
     if body.model and body.model != settings.model_name:
         raise APIError(404, f"model {quoted(body.model)} not found; this server serves {settings.model_name!r}",
                        param="model", code="model_not_found")
@@ -243,16 +256,15 @@ def build_job(engine: Engine, settings: ServerSettings, body, chat: bool) -> Job
                                   min_p=body.min_p or 0.0, max_tokens=max_tokens, seed=_seed(body.seed),
                                   stop=body.stop_strings(), ignore_eos=bool(body.ignore_eos),
                                   logprobs=body.logprobs_asked())
-        spec = settings.spec
-        if body.speculative is not None:
+        spec = default_spec  # the server's own, checked once at start
+        if body.speculative is not None:  # the request's, checked once here: the worker takes it as it is
             speculative = body.speculative
             overrides = {k: v for k, v in (("method", speculative.method),
                                            ("num_draft_tokens", speculative.num_draft_tokens),
                                            ("verification", speculative.verification)) if v is not None}
-            spec = engine.check_spec(replace(spec, **overrides,
-                                             options=dict(spec.options) | speculative.drafter_options()))
-            check_options_apply(resolve_spec(replace(settings.spec, **overrides)).methods,
-                                speculative.drafter_options())
+            given = speculative.drafter_options()
+            spec = engine.check_spec(replace(settings.spec, **overrides, options=dict(settings.spec.options) | given),
+                                     given)
     except SpecDecodeError as error:
         raise APIError(400, str(error), param=error.param) from None
     return Job(prompt_ids, sampling, spec, time.monotonic() + settings.request_timeout, asyncio.get_running_loop(),

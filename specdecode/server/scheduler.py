@@ -10,15 +10,16 @@ matmuls round differently with more rows): one request's step at a time, as sepa
 Every request's KV cache is sized to it (prompt + max_tokens) and counted against one memory budget
 (`kv_memory`): a request whose cache would not fit waits in the queue until enough ends, never fails for it.
 
-Prompts are read a chunk at a time (engine/prefill.py), one chunk per tick, between two rounds of the active
-requests' steps, the prompts being read taking turns: so a long prompt slows the others but never stops them, a
-short prompt that arrives behind a long one is read after one chunk of it, and between any two chunks the worker
-admits new requests and drops those whose client left or whose time ran out, and sees a shutdown. A chunk is
-sized to take about one round of steps (prefill_pace.py, which states the bound), or a fixed `prefill_chunk`.
+The requests run in the engine's batch (engine/batch.py, the loop training's answers run too): prompts are read a
+chunk at a time, one chunk per tick, between two rounds of the active requests' steps, the prompts being read
+taking turns, so a long prompt slows the others but never stops them and a short prompt that arrives behind a
+long one is read after one chunk of it. Between two ticks the worker admits new requests and drops those whose
+client left or whose time ran out, and sees a shutdown. A chunk is sized to take about one round of steps
+(engine/prefill_pace.py, which states the bound), or a fixed `prefill_chunk`.
 
-The worker drives each request through the engine's one way in: begin -> prefill (a chunk per call) -> step_many
--> finish, and hands each event to its job. The HTTP side only checks requests (Engine.check_spec builds
-nothing) and reads events.
+The worker drives each request through the engine's one way in: begin, then the batch's ticks (prefill a chunk
+per call, step_many, finish), and hands each event to its job. The HTTP side only checks requests
+(Engine.check_spec builds nothing) and reads events.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ import asyncio
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.engine.batch import RequestBatch
 from specdecode.engine.engine import Engine
-from specdecode.engine.request import GenerationEvent, Request
+from specdecode.engine.prefill_pace import PrefillPace
+from specdecode.engine.request import Request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.batch_invariance import batch_invariant
-from specdecode.server.prefill_pace import PrefillPace
 
 
 class QueueFull(Exception):
@@ -72,7 +73,7 @@ class Scheduler:
                  kv_memory: int | None = None, prefill_chunk: int | None = None):
         """`batching`: on, off, or auto (on where the target is batch-invariant); `kv_memory`: bytes the active
         requests' target KV caches may hold together (None: no bound beyond max_active); `prefill_chunk`: prompt
-        tokens each chunk reads (None: as many as take about one round of steps, prefill_pace.py)."""
+        tokens each chunk reads (None: as many as take about one round of steps, engine/prefill_pace.py)."""
         if max_active < 1 or max_queued < 1:
             raise SpecDecodeError(f"need at least one active and one queued request, got max_active={max_active} "
                                   f"max_queued={max_queued}")
@@ -86,7 +87,8 @@ class Scheduler:
         self.engine = engine
         self.batching = batch_invariant(engine.target.model) if batching == "auto" else batching == "on"
         self.kv_memory = kv_memory
-        self.pace = PrefillPace(prefill_chunk)
+        self.batch = RequestBatch(engine, self.batching, PrefillPace(prefill_chunk))
+        self.jobs: dict[Request, Job] = {}  # each request in the batch -> the job it serves
         self.lock = threading.Lock()
         self.max_active = max_active
         self.max_queued = max_queued
@@ -95,8 +97,6 @@ class Scheduler:
         self.admitted = 0
         self.pending: queue.Queue[Job] = queue.Queue()
         self.waiting: Job | None = None  # taken from the queue, waiting for KV memory to free up
-        self.active: list[tuple[Job, Request]] = []
-        self.starting: deque[tuple[Job, Request]] = deque()  # prompts being read, the next to read a chunk first
         self.draining = False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="specdecode-worker", daemon=True)
@@ -116,7 +116,7 @@ class Scheduler:
 
     @property
     def load(self) -> tuple[int, int]:
-        return len(self.active) + len(self.starting), self.pending.qsize() + (self.waiting is not None)
+        return len(self.batch), self.pending.qsize() + (self.waiting is not None)
 
     def check_fits(self, job: Job, exact: bool = True) -> int:
         """The bytes of the job's KV cache; a SpecDecodeError if they exceed the whole budget. The HTTP side asks
@@ -135,16 +135,14 @@ class Scheduler:
     @property
     def kv_bytes(self) -> int:
         """Memory the active and starting requests' target KV caches hold."""
-        requests = [request for _, request in list(self.active) + list(self.starting)]  # copies: the worker edits
-        return sum(request.cache.nbytes for request in requests)
+        return sum(request.cache.nbytes for request in self.batch.requests)
 
     def shutdown(self, grace_seconds: float) -> None:
         """Stop taking requests, let in-flight ones finish within the grace period, then end the rest cleanly."""
         with self.lock:
             self.draining = True
         deadline = time.monotonic() + grace_seconds
-        while (self.active or self.starting or self.waiting or not self.pending.empty()) \
-                and time.monotonic() < deadline:
+        while (len(self.batch) or self.waiting or not self.pending.empty()) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.stopped.set()
         self.thread.join(timeout=5)
@@ -152,9 +150,10 @@ class Scheduler:
     def _run(self) -> None:
         while not self.stopped.is_set():
             self._tick()
-        for job, request in list(self.active):  # a copy: _end removes each
-            self._end(job, request, SpecDecodeError("the server shut down before this request finished"))
-        queued = [job for job, _ in self.starting] + ([self.waiting] if self.waiting is not None else [])
+        for request in list(self.batch.active):
+            self._end(request, SpecDecodeError("the server shut down before this request finished"))
+        queued = [self._leave(request) for request in list(self.batch.starting)]
+        queued += [self.waiting] if self.waiting is not None else []
         while not self.pending.empty():
             queued.append(self.pending.get_nowait())
         for job in queued:  # still queued when the grace ran out: answer them too, or they hang
@@ -162,23 +161,30 @@ class Scheduler:
             self._release()
 
     def _tick(self) -> None:
-        """New requests in, ended ones out, one chunk of a prompt, one round of steps: so a cancellation, a timeout,
-        a new request or a shutdown waits for one chunk and one round at most."""
+        """New requests in, ended ones out, then the batch's tick (one chunk of a prompt, one round of steps): so a
+        cancellation, a timeout, a new request or a shutdown waits for one chunk and one round at most."""
         self._admit()
         self._drop_ended()
-        self._read_prompt()
-        if self.active:
-            self._step_active()
+        for item in self.batch.tick():
+            job = self.jobs[item.request]
+            job.send(item.event if item.error is None else item.error)
+            if item.ended:
+                del self.jobs[item.request]
+                self._release()
 
     def _release(self) -> None:
         """A request ended (finished, failed, cancelled or timed out): its place is free."""
         with self.lock:
             self.admitted -= 1
 
-    def _end(self, job: Job, request: Request, item=None) -> None:
-        """Take a request out of the active set, free its caches, and send `item` (an error) if any."""
-        self.engine.finish(request)
-        self.active.remove((job, request))
+    def _leave(self, request: Request) -> Job:
+        """Take a request out of the batch before its end -> the job it served."""
+        self.batch.drop(request)
+        return self.jobs.pop(request)
+
+    def _end(self, request: Request, item=None) -> None:
+        """End a request before its last event, free its caches, and send `item` (an error) if any."""
+        job = self._leave(request)
         if item is not None:
             job.send(item)
         self._release()
@@ -188,13 +194,13 @@ class Scheduler:
             return self.waiting
         try:
             # Block briefly only when idle, so an active batch never waits on the queue.
-            idle = not (self.active or self.starting)
+            idle = not len(self.batch)
             return self.pending.get(timeout=0.05) if idle else self.pending.get_nowait()
         except queue.Empty:
             return None
 
     def _admit(self) -> None:
-        while len(self.active) + len(self.starting) < self.max_active:
+        while len(self.batch) < self.max_active:
             job = self._next_job()
             if job is None:
                 return
@@ -208,8 +214,7 @@ class Scheduler:
                 continue
             try:
                 need = self.check_fits(job)
-                busy = self.active or self.starting
-                if self.kv_memory is not None and busy and self.kv_bytes + need > self.kv_memory:
+                if self.kv_memory is not None and len(self.batch) and self.kv_bytes + need > self.kv_memory:
                     self.waiting = job  # first in line when enough memory frees up
                     return
                 request = self.engine.begin(job.prompt_ids, job.sampling, job.spec, reuse_prefix=job.reuse_prefix,
@@ -218,67 +223,14 @@ class Scheduler:
                 job.send(error)
                 self._release()
                 continue
-            self.starting.append((job, request))
-
-    def _read_prompt(self) -> None:
-        """One chunk of the prompt whose turn it is; then the next prompt's turn (a request whose prompt is all
-        read joins the active ones)."""
-        if not self.starting:
-            return
-        job, request = self.starting[0]
-        tokens = self.pace.chunk_tokens(request)
-        began = time.perf_counter()
-        try:
-            first = self.engine.prefill(request, tokens)
-        except Exception as error:  # noqa: BLE001 - a bug in one request's prefill must not stop the server
-            self.starting.popleft()
-            job.send(error)
-            self._release()
-            return
-        if first is None:
-            self.pace.observe_chunk(request, tokens, time.perf_counter() - began)
-            self.starting.rotate(-1)  # to the back of the line, in one step: other threads count `starting`
-            return
-        self.starting.popleft()
-        self.active.append((job, request))
-        self._send(job, request, first)
+            self.jobs[request] = job
+            self.batch.add(request)
 
     def _drop_ended(self) -> None:
-        """Requests whose client went away or whose time ran out leave before the next step."""
-        for job, request in list(self.active):
+        """Requests whose client went away or whose time ran out leave before the next tick (one that was still
+        reading its prompt started no drafter: nothing more to finish than its caches)."""
+        for request, job in list(self.jobs.items()):
             if job.cancelled.is_set():
-                self._end(job, request)
+                self._end(request)
             elif time.monotonic() > job.deadline:
-                self._end(job, request, RequestTimeout("request timed out"))
-        for entry in list(self.starting):  # a prompt being read: its drafter has not started, nothing to finish
-            job = entry[0]
-            if job.cancelled.is_set() or time.monotonic() > job.deadline:
-                self.starting.remove(entry)
-                if not job.cancelled.is_set():
-                    job.send(RequestTimeout("request timed out"))
-                self._release()
-
-    def _step_active(self) -> None:
-        """One step of every active request: all in one batch, or one at a time when interleaved. In a method of
-        its own so that no local of the worker's loop keeps an ended request's caches alive while it idles."""
-        began = time.perf_counter()
-        groups = [list(self.active)] if self.batching else [[entry] for entry in self.active]
-        for group in groups:
-            self._step(group)
-        self.pace.observe_round(time.perf_counter() - began)
-
-    def _step(self, group: list[tuple[Job, Request]]) -> None:
-        """One step of every request in `group`, in one batch: the unit of fairness between streams."""
-        try:
-            events = self.engine.step_many([request for _, request in group])
-        except Exception as error:  # noqa: BLE001 - end this batch's requests with the error; the server lives on
-            for job, request in group:
-                self._end(job, request, error)
-            return
-        for (job, request), event in zip(group, events):
-            self._send(job, request, event)
-
-    def _send(self, job: Job, request: Request, event: GenerationEvent) -> None:
-        job.send(event)
-        if event.finish_reason is not None:
-            self._end(job, request)
+                self._end(request, RequestTimeout("request timed out"))

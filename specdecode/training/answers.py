@@ -1,6 +1,7 @@
 """The target's own greedy answers to many prompts at once, the training data that looks like use: requests
-stepped together through the engine's batched step (Engine.step_many, one target forward for all of them), which
-on 2 cores doubles one request's rate (54 -> 110 tokens/s at 8 requests, w4a8 1.5B target, with ngram drafting).
+stepped together through the engine's batch (engine/batch.py, the loop the server runs too: one target forward
+for all of them), which on 2 cores doubles one request's rate (54 -> 110 tokens/s at 8 requests, w4a8 1.5B
+target, with ngram drafting).
 
 Answers written together are what the target writes alone up to near-ties of a batched forward (engine.py,
 step_many): the drafter learns the target's style either way, and the features are taken afterwards from one
@@ -9,6 +10,7 @@ forward over prompt and answer, so they are exactly the target's."""
 from __future__ import annotations
 
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.engine.batch import RequestBatch
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request
 from specdecode.models.loader import LoadedModel
@@ -41,20 +43,19 @@ class Answerer:
         taken by the next prompt at once, so a long answer does not leave the others' places idle."""
         results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
         waiting = list(zip(range(len(prompts)), prompts, samplings))[::-1]  # popped from the end: in order
-        running: list[tuple[int, Request]] = []
-        while waiting or running:
-            while waiting and len(running) < ANSWER_BATCH:
+        batch = RequestBatch(self.engine, batched=True)
+        index_of: dict[Request, int] = {}
+        while waiting or len(batch):
+            while waiting and len(batch) < ANSWER_BATCH:
                 index, ids, sampling = waiting.pop()
                 request = self.engine.begin(ids, sampling, reuse_prefix=False)
-                while self.engine.prefill(request) is None:
-                    pass
-                running.append((index, request))
-            stepping = [request for _, request in running if request.finish_reason is None]
-            if stepping:
-                self.engine.step_many(stepping)
-            for index, request in running:
-                if request.finish_reason is not None:
-                    self.engine.finish(request)
-                    results[index] = (request.tokens[request.prompt_len :], request.finish_reason == "stop")
-            running = [(index, request) for index, request in running if request.finish_reason is None]
+                index_of[request] = index
+                batch.add(request)
+            for item in batch.tick():
+                if item.error is not None:
+                    raise item.error
+                if item.ended:
+                    request = item.request
+                    results[index_of.pop(request)] = (request.tokens[request.prompt_len :],
+                                                      request.finish_reason == "stop")
         return results

@@ -32,7 +32,7 @@ from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
 from specdecode.training.eagle3 import aux_layer_ids, default_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
-from specdecode.training.from_target import dense_weight
+from specdecode.training.from_target import dense_weight, verifier
 from specdecode.training.loop import Trainee, TrainSettings, bf16_fast, train_drafter
 from specdecode.training.ttt import UnrollResult
 
@@ -209,7 +209,7 @@ def train_dflash(target: LoadedModel, features: Path, out: Path, settings: Train
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
         def save(folder: Path) -> None:
             if speculators:
-                save_block_speculators(model, folder, target.config, target.name)
+                save_block_speculators(model, folder, verifier(target))
             else:
                 save_dflash(model, folder, target.config)
 

@@ -33,6 +33,7 @@ from specdecode.models.loader import LoadedModel
 from specdecode.training.dflash import DECAY, anchored_blocks, chained_hits, head_rows, new_dflash, soft_cross_entropy
 from specdecode.training.eagle3 import aux_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
+from specdecode.training.from_target import verifier
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter
 from specdecode.training.ttt import UnrollResult
 
@@ -110,7 +111,7 @@ def train_dspark(target: LoadedModel, features: Path, out: Path, settings: Train
         rows = head_rows(target, draft_ids, settings.device)  # [V, H]
         def save(folder: Path) -> None:
             if speculators:
-                save_block_speculators(model, folder, target.config, target.name)
+                save_block_speculators(model, folder, verifier(target))
             else:
                 save_dspark(model, folder, target.config, settings.anchors)
 

@@ -17,7 +17,7 @@ from specdecode.models.formats.speculators_export import save_eagle3_speculators
 from specdecode.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
-from specdecode.training.from_target import draft_vocabulary
+from specdecode.training.from_target import draft_vocabulary, verifier
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
@@ -122,7 +122,7 @@ def train_eagle3(target: LoadedModel, features: Path, out: Path, settings: Train
         head.finish_loading(max_positions(features))
         def save(folder: Path) -> None:
             if speculators:
-                save_eagle3_speculators(head, folder, target.config, target.name)
+                save_eagle3_speculators(head, folder, verifier(target))
             else:
                 save_eagle3_head(head, folder, target.config)
 

@@ -9,7 +9,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.models.families.registry import config_to_hf
+from specdecode.models.formats.speculators_export import Verifier
+from specdecode.models.loader import LoadedModel
 from specdecode.training.features import load_shard
+
+
+def verifier(target: LoadedModel) -> Verifier:
+    """The target as a speculators export records it: the name it was given and its architectures."""
+    return Verifier(target.name, config_to_hf(target.config)["architectures"])
 
 
 def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:

@@ -76,13 +76,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     ranks sum their terms' weights first), so the step is the one a single process takes, whatever the world
     size. Rank 0 alone writes, logs and shows the progress bar; `on_eval` is called on rank 0 only."""
     ranks = current_ranks()
-    train_files, held_out = shard_files(features, "train"), shard_files(features, "held_out")
-    if not train_files:
-        raise SpecDecodeError(f"{features} holds no training features")
-    listing = [f"{p.parent.name}/{p.name}" for p in train_files + held_out]
-    if any(seen != listing for seen in gathered(listing)):  # every rank sees every rank's listing: all fail alike
-        raise SpecDecodeError(f"the ranks see different shards in {features}: across hosts, --features and --out "
-                              "must be on a filesystem every host reads")
+    train_files, held_out = _shards(features)
     target.model.requires_grad_(False)  # frozen: its embedding and head feed the drafter, no gradient reaches it
     checkpoint = out / CHECKPOINT
     state = read_checkpoint(checkpoint, settings.device)
@@ -93,10 +87,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     draft_ids = state["draft_ids"] if state is not None else vocabulary(train_files)
     trainee = build(draft_ids)
     made_with = _made_with(trainee.kind, settings, batch, train_files + held_out)
-    if state is not None and state["made_with"] != made_with:
-        changed = sorted(k for k in made_with if state["made_with"].get(k) != made_with[k])
-        raise SpecDecodeError(f"{checkpoint} was made with other settings ({', '.join(changed)}); use another "
-                              "--out or the same settings")
+    _check_resumable(checkpoint, state, made_with)
     lengths = {p: load_shard(p).tokens.numel() for p in train_files + held_out}  # read once, used twice
     autocast = torch.autocast(device_type=torch.device(settings.device).type, dtype=torch.bfloat16,
                               enabled=bf16_fast(settings.device))
@@ -131,16 +122,7 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
     while step < total:
         chosen = order[step * batch : (step + 1) * batch]  # the step's global batch
         shards = [_to(load_shard(path), settings.device) for path in ranks.share(chosen)]
-        sums, weights = model(shards, target_to_draft)  # [n_terms] each, this rank's sequences
-        all_weights = sum_over_ranks(weights)  # [n_terms]: every rank's rows
-        # DDP and FSDP average gradients over ranks: scaled by the world size, the sum of the ranks' terms over
-        # all rows is what one process computes over the whole batch.
-        loss = average_terms(sums, all_weights) * ranks.world
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 0.5)
-        optimizer.step()
-        schedule.step()
+        step_loss = _optimizer_step(model, optimizer, schedule, trainable, shards, target_to_draft, ranks.world)
         step += 1
         tokens_seen += sum(lengths[p] for p in chosen)
         bar.update(batch)
@@ -152,11 +134,47 @@ def train_drafter(build: Callable[[torch.Tensor], Trainee], vocabulary: Callable
                                  made_with, measured)
                 if on_eval is not None:
                     on_eval(step, tokens_seen, measured)
-        step_loss = average_terms(sum_over_ranks(sums), all_weights)  # the whole batch's, as one process has it
         bar.set_postfix_str(f"loss {step_loss.item():.3f} | {describe(measured)}")
     bar.close()
     _write_result(trainee, build, draft_ids, objective, optimizer, out, ranks)
     return {"held_out_accuracy": measured, "steps": step, "draft_vocab": draft_ids.numel(), "batch": batch}
+
+
+def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule, trainable: list,
+                    shards: list[Shard], target_to_draft: torch.Tensor, world: int) -> torch.Tensor:
+    """One optimizer step over this rank's `shards` of the global batch -> the whole batch's loss, as one process
+    computes it."""
+    sums, weights = model(shards, target_to_draft)  # [n_terms] each, this rank's sequences
+    all_weights = sum_over_ranks(weights)  # [n_terms]: every rank's rows
+    # DDP and FSDP average gradients over ranks: scaled by the world size, the sum of the ranks' terms over all
+    # rows is what one process computes over the whole batch.
+    loss = average_terms(sums, all_weights) * world
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+    optimizer.step()
+    schedule.step()
+    return average_terms(sum_over_ranks(sums.detach()), all_weights)
+
+
+def _shards(features: Path) -> tuple[list[Path], list[Path]]:
+    """The training and held-out shards, the same on every rank (one error on all of them otherwise)."""
+    train_files, held_out = shard_files(features, "train"), shard_files(features, "held_out")
+    if not train_files:
+        raise SpecDecodeError(f"{features} holds no training features")
+    listing = [f"{p.parent.name}/{p.name}" for p in train_files + held_out]
+    if any(seen != listing for seen in gathered(listing)):  # every rank sees every rank's listing: all fail alike
+        raise SpecDecodeError(f"the ranks see different shards in {features}: across hosts, --features and --out "
+                              "must be on a filesystem every host reads")
+    return train_files, held_out
+
+
+def _check_resumable(checkpoint: Path, state: dict | None, made_with: dict) -> None:
+    """A checkpoint resumes only the run that made it: the same settings and data."""
+    if state is not None and state["made_with"] != made_with:
+        changed = sorted(k for k in made_with if state["made_with"].get(k) != made_with[k])
+        raise SpecDecodeError(f"{checkpoint} was made with other settings ({', '.join(changed)}); use another "
+                              "--out or the same settings")
 
 
 def data_order(files: list[Path], epochs: int, seed: int) -> list[Path]:

@@ -188,7 +188,7 @@ class CacheBatch:
         for cache in self.caches:
             cache.advance(new_tokens)
 
-    # A hybrid trunk's recurrent states (recurrent_cache.py's HybridCache): stacked for the forward, each
+    # A hybrid trunk's recurrent states (cache.py's HybridCache): stacked for the forward, each
     # sequence's rows handed back to its own cache.
     @property
     def row_parents(self) -> torch.Tensor | None:

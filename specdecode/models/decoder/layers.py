@@ -25,6 +25,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class ZeroCentredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), in float32 and cast back after the weight (as transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def norm_class(config: ModelConfig) -> type[nn.Module]:
+    """The RMSNorm a family's config asks for: weights w meaning x/rms(x) * w, or * (1 + w) (zero-centred)."""
+    return ZeroCentredRMSNorm if config.zero_centred_norms else RMSNorm
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -16,7 +16,7 @@ qwen3_5_mtp.py and transformers' MtpLayer with its post_norm agree), with zero-c
 full-attention layer of the trunk's family, in the [embedding ; hidden] order:
     qwen3_5:  mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.{j}.<decoder layer>}
 
-Names in checkpoints (formats: weight_source.parameter_sources maps them onto ours, `mtp.{j}.*`):
+Names in checkpoints (each family's tensor maps, families/, put them onto ours, `mtp.{j}.*`):
     deepseek: model.layers.{L+j}.{enorm, hnorm, eh_proj, shared_head.norm, <decoder layer>}
     mimo:     model.mtp_layers.{j}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm, <decoder layer>}
     GGUF:     blk.{L+j}.nextn.{enorm, hnorm, eh_proj, shared_head_norm} and blk.{L+j}.<decoder layer>
@@ -27,26 +27,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCentredRMSNorm
 from specdecode.models.decoder.kv_cache import KVCache
-from specdecode.models.decoder.layers import DecoderLayer, RMSNorm
+from specdecode.models.decoder.layers import norm_class
 from specdecode.models.model_config import ModelConfig
 
 
 class MTPModule(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, block: nn.Module, feeds_back_normed: bool = False):
+        """`block`: a decoder layer of the trunk's family (Transformer.build_mtp_block), with a KV cache of its own
+        (index 0), Qwen 3.5's a full-attention layer of its hybrid trunk; `feeds_back_normed`: a further step is fed
+        out_norm(y) (Qwen 3.5: vLLM's qwen3_5_mtp, transformers' MtpLayer post_norm), else y."""
         super().__init__()
         hidden = config.hidden_size
-        norm = ZeroCentredRMSNorm if config.zero_centred_norms else RMSNorm
+        norm = norm_class(config)
         self.token_norm = norm(hidden, config.rms_norm_eps)  # on the next token's embedding
         self.hidden_norm = norm(hidden, config.rms_norm_eps)  # on the incoming hidden state
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        # Qwen 3.5's block is a full-attention layer of its hybrid family, with a KV cache of its own (index 0).
-        self.block = HybridDecoderLayer(config, "full_attention", 0) if config.is_hybrid else DecoderLayer(config)
+        self.block = block
         self.out_norm = norm(hidden, config.rms_norm_eps)
         self.hidden_first = config.mtp_layout == "mimo"
-        # Qwen 3.5 feeds the next step the normed output (vLLM's qwen3_5_mtp, transformers' MtpLayer post_norm).
-        self.feeds_back_normed = config.mtp_layout == "qwen3_5"
+        self.feeds_back_normed = feeds_back_normed
 
     @classmethod
     def sharing(cls, module: MTPModule, block: nn.Module) -> MTPModule:

@@ -26,6 +26,8 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
+    mtp_feeds_back_normed = False  # a further MTP step is fed the module's output before its norm (decoder/mtp.py)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -34,18 +36,24 @@ class Transformer(nn.Module):
         self.norm = self.build_norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Multi-token-prediction modules the weights ship (plain decoding never runs them; drafters/mtp.py does).
-        self.mtp = nn.ModuleList(MTPModule(config) for _ in range(config.mtp_layers))
+        self.mtp = nn.ModuleList(MTPModule(config, self.build_mtp_block(config), self.mtp_feeds_back_normed)
+                                 for _ in range(config.mtp_layers))
         self.rope: RopeTable | None = None
         self.rope_factors: torch.Tensor | None = None
 
     @staticmethod
     def build_layers(config: ModelConfig) -> nn.ModuleList:
-        """The trunk's decoder layers (a hybrid trunk builds its own, decoder/hybrid.py)."""
+        """The trunk's decoder layers (a hybrid trunk builds its own, families/qwen3_5/trunk.py)."""
         return nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
 
     @staticmethod
     def build_norm(config: ModelConfig) -> nn.Module:
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def build_mtp_block(config: ModelConfig) -> nn.Module:
+        """The decoder block of one MTP module the weights ship (decoder/mtp.py): a layer of the trunk's kind."""
+        return DecoderLayer(config)
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
         """Once the weights (and so dtype and device) are final: tie a float output head to the embedding where
@@ -67,7 +75,7 @@ class Transformer(nn.Module):
         return self.embed.weight.device
 
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> KVCache:
-        """`rollback_rows` matters to recurrent layers only (decoder/hybrid.py): a KV cache rolls back any way."""
+        """`rollback_rows` matters to recurrent layers only (families/qwen3_5/trunk.py): a KV cache rolls back any way."""
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
@@ -82,7 +90,7 @@ class Transformer(nn.Module):
 
     def begin_rows(self, cache: KVCache | CacheBatch, attn_mask: torch.Tensor | None, new: int) -> None:
         """Before a forward's layers run: nothing for a KV cache (a hybrid trunk tells its recurrent states each
-        row's parent, decoder/hybrid.py)."""
+        row's parent, families/qwen3_5/trunk.py)."""
 
     def cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
         """Memory a one-sequence cache of `slots` slots holds (`rollback_rows` matters to recurrent layers only)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder import llama_config
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.speculators import VOCAB_MAPS, draft_vocabulary, is_speculators, native_form
@@ -72,8 +73,8 @@ def dflash_config(hf: dict, target: ModelConfig, folder: Path) -> DFlashConfig:
         return nested.get(name, hf.get(name, default))
 
     try:
-        layer = ModelConfig.from_hf({**hf, "model_type": "qwen3", "num_nextn_predict_layers": 0,
-                                     "vocab_size": hf.get("vocab_size", target.vocab_size)})
+        layer = llama_config.from_hf({**hf, "num_nextn_predict_layers": 0,
+                                      "vocab_size": hf.get("vocab_size", target.vocab_size)}, "qwen3")
         layers = layer.num_layers
         target_layers = int(value("num_target_layers", target.num_layers))
         ids = value("target_layer_ids")
@@ -186,7 +187,7 @@ def our_tensors(weights: FolderWeights, folder: Path, own_prefixes: tuple[str, .
 def save_dflash(model: DFlashModel, folder: Path, target: ModelConfig) -> Path:
     """Write `model` in z-lab's layout (what vLLM, SGLang and the reference read)."""
     config, layer = model.config, model.config.layer
-    hf = layer.to_hf() | {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+    hf = llama_config.to_hf(layer) | {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
                           "attention_bias": layer.qkv_bias, "block_size": config.block_size,
                           "num_target_layers": target.num_layers, "layer_types": ["full_attention"] * layer.num_layers,
                           "dflash_config": {"target_layer_ids": list(config.target_layer_ids),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder import llama_config
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.dflash import SHARED_COPIES, block_drafter_config, dflash_config, fill, published_tensors
 from specdecode.models.formats.drafter_folder import write_drafter_folder
@@ -71,7 +72,7 @@ def dspark_heads(hf: dict, folder: Path) -> DSparkHeads:
 def save_dspark(model: DSparkModel, folder: Path, target: ModelConfig, anchors: int) -> Path:
     """Write `model` in DeepSpec's layout (what vLLM's `dspark` method reads)."""
     config, layer, heads = model.config, model.config.layer, model.heads
-    hf = layer.to_hf() | {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+    hf = llama_config.to_hf(layer) | {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
                           "attention_bias": layer.qkv_bias, "tie_word_embeddings": False,
                           "block_size": config.block_size, "num_target_layers": target.num_layers,
                           "layer_types": ["full_attention"] * layer.num_layers,

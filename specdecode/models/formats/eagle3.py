@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder import llama_config
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config, write_drafter_folder
 from specdecode.models.formats.weight_source import FolderWeights
@@ -128,13 +129,14 @@ def _config(hf: dict, tensors: dict[str, torch.Tensor], target: Transformer, fol
     head_dim, kv_heads = _attention_shape(tensors, heads, layer_hf, folder)
     # RoPE as written: transformers 5 (which speculators 0.9 saves with) keeps it only in rope_parameters.
     rope = {key: layer_hf[key] for key in ("rope_theta", "rope_scaling", "rope_parameters") if key in layer_hf}
-    layer = ModelConfig.from_hf({
-        "model_type": "qwen3" if _qk_norms(tensors, layer_hf, folder) else "llama", "vocab_size": tc.vocab_size,
+    layer = llama_config.from_hf({
+        "vocab_size": tc.vocab_size,
         "hidden_size": hidden, "intermediate_size": tensors["layer.mlp.gate_up.weight"].shape[0] // 2,
         "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "rms_norm_eps": layer_hf.get("rms_norm_eps", 1e-6), **rope,
         "max_position_embeddings": tc.max_position_embeddings,
-        "attention_bias": "layer.attn.qkv.bias" in tensors, "mlp_bias": "layer.mlp.down.bias" in tensors})
+        "attention_bias": "layer.attn.qkv.bias" in tensors, "mlp_bias": "layer.mlp.down.bias" in tensors},
+        "qwen3" if _qk_norms(tensors, layer_hf, folder) else "llama")
     if layer.o_bias != ("layer.attn.o.bias" in tensors):
         raise SpecDecodeError(f"{folder}: q/k/v and o_proj must all have biases or none")
     ids, convention = _layer_ids(hf, fused // tc.hidden_size, tc.num_layers, folder)

@@ -7,7 +7,7 @@ skips values by their sizes (0.1 s), reading the token strings only when asked.
 A header is untrusted input: every count, length, type and offset is checked against the bytes the file has
 before it is used, so a crafted header is one clear error rather than an overflow, a loop of 2**64 turns or a
 read past the end. `read_header` is also the check run before gguf's own reader is handed a file
-(gguf_convert.open_gguf): that reader trusts what the header says.
+(gguf_read.open_gguf): that reader trusts what the header says.
 """
 
 from __future__ import annotations

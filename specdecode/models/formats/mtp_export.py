@@ -26,8 +26,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.formats.gguf_convert import open_gguf
-from specdecode.models.formats.weight_source import expected_shapes, mtp_prefix, parameter_sources
+from specdecode.models.formats.gguf_read import open_gguf
+from specdecode.models.formats.layer_names import (
+    block_shapes,
+    block_sources,
+    mtp_part_shapes,
+    mtp_part_sources,
+    mtp_prefix,
+)
 from specdecode.models.model_config import ModelConfig
 
 MTP_FILE = "model-mtp.safetensors"
@@ -49,15 +55,20 @@ def mtp_layout(config: ModelConfig) -> str:
 
 
 def mtp_tensors(modules: nn.ModuleList, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The modules' weights under the Hugging Face names of `config.mtp_layout` (fused q/k/v and gate/up split
-    back into the published tensors)."""
+    """The modules' weights (Llama-style blocks, what `specdecode train mtp` trains) under the Hugging Face names
+    of `config.mtp_layout` (fused q/k/v and gate/up split back into the published tensors)."""
     state = {f"mtp.{name}": t.detach().cpu() for name, t in modules.state_dict().items()}
     for j, module in enumerate(modules):
         if module.hidden_first != (config.mtp_layout == "mimo"):  # written in the other order: swap the halves
             state[f"mtp.{j}.proj.weight"] = torch.cat(state[f"mtp.{j}.proj.weight"].chunk(2, dim=1)[::-1], dim=1)
-    shapes = expected_shapes(config)
+    shapes = {}
+    for j in range(config.mtp_layers):
+        shapes |= {f"{mtp_prefix(j, config)}{name}": shape for name, shape in block_shapes(config).items()}
+        shapes |= mtp_part_shapes(j, config)
+    sources = {ours: theirs for j in range(config.mtp_layers) for ours, theirs in (
+        mtp_part_sources(j, config) | block_sources(f"mtp.{j}.block.", mtp_prefix(j, config), config)).items()}
     published = {}
-    for ours, names in parameter_sources(config).items():
+    for ours, names in sources.items():
         if ours in state:
             parts = state[ours].split([shapes[name][0] for name in names]) if len(names) > 1 else [state[ours]]
             published.update({f"model.{name}": part.to(dtype).contiguous() for name, part in zip(names, parts)})

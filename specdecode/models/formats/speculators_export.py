@@ -19,6 +19,7 @@ since speculators 0.5 it survives only in the converter, and its forward raises 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.models.formats.dflash import published_tensors as block_tensors
@@ -32,8 +33,16 @@ from specdecode.models.model_config import ModelConfig
 SPECULATORS_VERSION = "0.9.0"  # the release whose classes were run on our files (the oracle fixtures)
 
 
-def save_eagle3_speculators(head: Eagle3Head, folder: Path, target: ModelConfig, verifier: str) -> Path:
-    """`head` as speculators' Eagle3DraftModel saves one; `verifier`: the target's name for speculators_config."""
+@dataclass(frozen=True)
+class Verifier:
+    """The target as speculators_config records it."""
+
+    name_or_path: str  # the --target as given
+    architectures: list[str]  # its config.json's, as transformers reads it (families.config_to_hf)
+
+
+def save_eagle3_speculators(head: Eagle3Head, folder: Path, verifier: Verifier) -> Path:
+    """`head` as speculators' Eagle3DraftModel saves one; `verifier`: the target, for speculators_config."""
     config, layer = head.config, head.config.layer
     tensors = eagle3_tensors(head, "layers.0.")
     if config.draft_vocab_size == layer.vocab_size:  # speculators keeps the maps only for a reduced vocabulary
@@ -45,11 +54,11 @@ def save_eagle3_speculators(head: Eagle3Head, folder: Path, target: ModelConfig,
           "eagle_aux_hidden_state_layer_ids": list(config.layer_ids),
           "norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
           "norm_output": config.norm_output, "embed_requires_grad": False, "tie_word_embeddings": False,
-          "speculators_config": speculators_config("eagle3", 3, target, verifier), "dtype": "float32"}
+          "speculators_config": speculators_config("eagle3", 3, verifier), "dtype": "float32"}
     return write_drafter_folder(folder, tensors, hf, "the head")
 
 
-def save_block_speculators(model: DFlashModel, folder: Path, target: ModelConfig, verifier: str) -> Path:
+def save_block_speculators(model: DFlashModel, folder: Path, verifier: Verifier) -> Path:
     """A DFlash drafter (or a DSparkModel, DFlash's body with its heads) as speculators saves one."""
     config, layer = model.config, model.config.layer
     dspark = isinstance(model, DSparkModel)
@@ -62,7 +71,7 @@ def save_block_speculators(model: DFlashModel, folder: Path, target: ModelConfig
           "target_hidden_size": config.target_hidden_size,
           "aux_hidden_state_layer_ids": list(config.boundary_ids), "mask_token_id": config.mask_token_id,
           "sliding_window_non_causal": False, "sample_from_anchor": dspark, "tie_word_embeddings": False,
-          "speculators_config": speculators_config("dspark" if dspark else "dflash", drafted, target, verifier),
+          "speculators_config": speculators_config("dspark" if dspark else "dflash", drafted, verifier),
           "dtype": "float32"}
     if dspark:
         heads = model.heads
@@ -83,9 +92,9 @@ def layer_config(layer: ModelConfig, model_type: str, layers: int) -> dict:
             "mlp_bias": layer.mlp_bias, "tie_word_embeddings": False, "layer_types": ["full_attention"] * layers}
 
 
-def speculators_config(algorithm: str, drafted: int, target: ModelConfig, verifier: str) -> dict:
+def speculators_config(algorithm: str, drafted: int, verifier: Verifier) -> dict:
     """The proposal (greedy, `drafted` tokens a step) and the verifier speculators records."""
     return {"algorithm": algorithm, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafted, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier, "architectures": target.to_hf()["architectures"]}}
+            "verifier": {"name_or_path": verifier.name_or_path, "architectures": verifier.architectures}}

@@ -1,4 +1,4 @@
-// The Gated DeltaNet recurrence (decoder/gated_deltanet.py) one row at a time, fused: each row reads its parent's
+// The Gated DeltaNet recurrence (families/qwen3_5/gated_deltanet.py) one row at a time, fused: each row reads its parent's
 // state once and writes its own once, where PyTorch's element-wise form makes five state-sized temporaries per
 // row. Every row is computed by the same loops whatever else shares the call, so a token's output is bitwise the
 // same decoded alone, verified among drafts, or batched.

@@ -28,8 +28,6 @@ from specdecode.models.decoder.layers import Attention, DecoderLayer
 from specdecode.models.decoder.packed_linear import PackedLinear, rows_invariant
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.decoder.transformer import Transformer
-from specdecode.models.kernels.gemma_kernels import fix_gemma_layers
-from specdecode.models.kernels.hybrid_kernels import fix_hybrid_layers
 from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
 
 _DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
@@ -72,10 +70,6 @@ def fixed_order_attention(attn: Attention, attend, x: torch.Tensor, cos: torch.T
 def fix_float_layers(model: Transformer) -> str | None:
     """Replace a float model's decoder layers by FloatDecoderLayer where that makes it batch-invariant here.
     -> None when replaced, else why not (the PyTorch layers stay)."""
-    if model.config.is_hybrid:
-        return fix_hybrid_layers(model)
-    if model.config.is_gemma:
-        return fix_gemma_layers(model)
     if model.device.type != "cpu" or model.dtype not in _DTYPES:
         return f"the fixed-order layers run on the CPU in bfloat16 or float32, not {model.device.type} {model.dtype}"
     if model.config.head_dim % 16:
@@ -99,3 +93,10 @@ def fix_float_layers(model: Transformer) -> str | None:
     model.layers = nn.ModuleList(FloatDecoderLayer(layer, attend) for layer in model.layers)
     model.lm_head.rows_invariant_checked = True  # see batch_invariance.py
     return None
+
+
+def float_batch_invariant(model: Transformer) -> bool:
+    """Every layer a fixed-order float layer (installed only with row-invariant linears) and the output head the
+    one fix_float_layers probed."""
+    return (all(isinstance(layer, FloatDecoderLayer) for layer in model.layers)
+            and getattr(model.lm_head, "rows_invariant_checked", False))

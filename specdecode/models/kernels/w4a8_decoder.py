@@ -21,8 +21,6 @@ from torch import nn
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import DecoderLayer
 from specdecode.models.decoder.transformer import Transformer
-from specdecode.models.kernels.gemma_kernels import fix_gemma_layers
-from specdecode.models.kernels.hybrid_kernels import fix_hybrid_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
@@ -47,16 +45,10 @@ class W4A8DecoderLayer(DecoderLayer):
 
 
 def fuse_layers(model: Transformer) -> None:
-    """Replace each decoder layer by a fused one when every matmul in them is w4a8 and the sizes suit the
-    vector code (else the PyTorch layers run). Call before `finish_loading`, which builds the cos/sin table
+    """Replace each Llama-style decoder layer by a fused one when every matmul in them is w4a8 and the sizes suit
+    the vector code (else the PyTorch layers run). Call before `finish_loading`, which builds the cos/sin table
     in the dtype the layers want."""
     layers, config = model.layers, model.config
-    if config.is_hybrid:  # its own layers; the attention kernel where the matmuls allow (hybrid_kernels.py)
-        fix_hybrid_layers(model)
-        return
-    if config.is_gemma:  # its layers run their w4a8 matmuls from PyTorch, attention in the kernel where it can
-        fix_gemma_layers(model)
-        return
     linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
     if not linears or not all(isinstance(m, W4A8Linear) for m in linears):
         return
@@ -78,3 +70,8 @@ def fuse_layers(model: Transformer) -> None:
             config.num_kv_heads, config.head_dim, config.rms_norm_eps))
         for layer in layers)
 
+
+
+def fused_batch_invariant(model: Transformer) -> bool:
+    """Every decoder layer fused with a w4a8 output head: each token computed on its own (see above)."""
+    return all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers) and isinstance(model.lm_head, W4A8Linear)

@@ -1,4 +1,4 @@
-"""What a Gemma 4 text trunk has beyond the Llama family's fields (ModelConfig.gemma), read from config.json.
+"""What a Gemma 4 text trunk has beyond the Llama family's fields (ModelConfig.family_parts), read from config.json.
 
 Gemma 4 (transformers' models/gemma4, the dense e2b / e4b / 31B text models):
 - sliding-window and full ("global") attention layers by `layer_types`, each kind with its own rope; the full
@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.model_config import ModelConfig, eos_ids
 
+MODEL_TYPES = {"gemma4": "gemma4", "gemma4_text": "gemma4"}
 GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -40,7 +42,9 @@ class GemmaParts:
     global_theta: float
     global_rotary_fraction: float  # "proportional" rope: the share of each head's frequencies that rotate
 
-    def check(self, num_layers: int, layer_types: tuple[str, ...]) -> None:
+    def check(self, config) -> None:
+        """Against the rest of a ModelConfig `config`."""
+        num_layers, layer_types = config.num_layers, config.layer_types
         if not 0 <= self.kv_shared_layers <= num_layers:
             raise SpecDecodeError(f"config: num_kv_shared_layers must be from 0 to {num_layers}, got "
                                   f"{self.kv_shared_layers}")
@@ -65,7 +69,7 @@ class GemmaParts:
 def layer_shape(config, kind: str) -> tuple[int, int]:
     """(KV heads, head size) of a Gemma 4 layer of `kind`, for a ModelConfig `config`."""
     if kind == "full_attention":
-        return config.gemma.global_kv_heads, config.gemma.global_head_dim
+        return config.family_parts.global_kv_heads, config.family_parts.global_head_dim
     return config.num_kv_heads, config.head_dim
 
 
@@ -133,3 +137,30 @@ def gemma_to_hf(parts: GemmaParts, layer_types: tuple[str, ...], head_dim: int, 
             "hidden_size_per_layer_input": parts.per_layer_size, "vocab_size_per_layer_input": parts.per_layer_vocab,
             "use_double_wide_mlp": parts.double_wide_mlp, "final_logit_softcapping": parts.final_softcap,
             "hidden_activation": "gelu_pytorch_tanh", "head_dim": head_dim, "num_key_value_heads": kv_heads}
+
+
+def from_hf(hf: dict, model_type: str) -> ModelConfig:
+    """Gemma 4's text trunk; the sizes of its sliding layers are the top-level ones."""
+    check_text_only(hf)
+    num_heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    layer_types = list(hf.get("layer_types") or [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)])
+    layer_types[-1] = "full_attention"  # as transformers forces it
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise SpecDecodeError(f"config: unsupported Gemma 4 activation {hf['hidden_activation']!r}")
+    return ModelConfig(
+        architecture="gemma4", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=hf.get("head_dim", 256),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=True, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids(hf),
+        layer_types=tuple(layer_types), family_parts=gemma_parts(hf, layer_types))
+
+
+def to_hf(config: ModelConfig) -> dict:
+    """Its ropes are per layer kind, in rope_parameters."""
+    hf = config.common_hf() | {"architectures": ["Gemma4ForCausalLM"], "attention_bias": config.qkv_bias}
+    del hf["rope_theta"], hf["rope_scaling"]
+    return hf | gemma_to_hf(config.family_parts, config.layer_types, config.head_dim, config.num_kv_heads)

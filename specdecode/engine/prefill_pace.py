@@ -1,7 +1,8 @@
-"""How many prompt tokens the server's next prefill chunk reads: as many as take about one round of decoding.
+"""How many prompt tokens a batch's next prefill chunk reads: as many as take about one round of decoding.
 
-The worker reads prompts one chunk per tick, between two rounds of the active requests' steps (scheduler.py), so
-while a prompt is read each decoding request waits one chunk between two of its tokens. A chunk given as much time
+A batch (batch.py: the server's worker, training's answers) reads prompts one chunk per tick, between two rounds
+of the active requests' steps, so while a prompt is read each decoding request waits one chunk between two of its
+tokens. A chunk given as much time
 as a round at most halves their token rate; a chunk far shorter than a forward's fixed cost (streaming the
 weights: about 45 ms for the default target on a CPU) would read the prompt mostly in overhead. So a chunk's time
 budget is the last rounds' measured time, but at least MIN_CHUNK_SECONDS, and it reads as many tokens as that
@@ -13,7 +14,7 @@ The bound this gives: while prompts are read, a decoding request's next token wa
 steps and one chunk, the chunk sized to take max(a round, 0.25 s): about twice its step, or its step plus 0.25 s
 where steps are quicker. A chunk reads at least MIN_CHUNK_TOKENS (so a slow machine still makes headway) and at
 most MAX_CHUNK_TOKENS (what one forward's activations may hold). The same chunk bounds how long a cancelled or
-timed-out request, a new arrival's admission and a shutdown wait: the worker looks at them between chunks.
+timed-out request, a new arrival's admission and a shutdown wait: the server's worker looks at them between ticks.
 `serve --prefill-chunk N` fixes the size instead.
 """
 

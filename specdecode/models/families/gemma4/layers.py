@@ -1,4 +1,4 @@
-"""Gemma 4's decoder block and its parts (the trunk is gemma.py; what each part does is in gemma_config.py).
+"""Gemma 4's decoder block and its parts (the trunk is trunk.py; what each part does is in config.py).
 
 A layer that computes keys and values writes them to its slot of the KV cache; a KV-shared layer reads the slot
 of the last earlier layer of its kind (`cache_layers`) and writes nothing. Sliding and full layers may differ in
@@ -14,7 +14,7 @@ from torch import nn
 
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.rope import apply_rope
-from specdecode.models.gemma_config import layer_shape
+from specdecode.models.families.gemma4.config import layer_shape
 from specdecode.models.model_config import ModelConfig
 
 
@@ -36,7 +36,7 @@ class GemmaRMSNorm(nn.Module):
 def cache_layers(config: ModelConfig) -> list[int]:
     """Each layer's slot in the KV cache: its own below the first KV-shared layer, else the last earlier slot of
     its kind."""
-    first_shared = config.gemma.first_shared(config.num_layers)
+    first_shared = config.family_parts.first_shared(config.num_layers)
     slots = list(range(first_shared))
     for kind in config.layer_types[first_shared:]:
         slots.append(max(i for i in range(first_shared) if config.layer_types[i] == kind))
@@ -51,7 +51,7 @@ class GemmaAttention(nn.Module):
         self.num_kv_heads, self.head_dim = layer_shape(config, kind)
         self.shares_kv = shares_kv
         # Full layers with attention_k_eq_v have no value projection: the keys' projection is the value.
-        self.values_from_keys = config.gemma.attention_k_eq_v and kind == "full_attention"
+        self.values_from_keys = config.family_parts.attention_k_eq_v and kind == "full_attention"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         eps, bias = config.rms_norm_eps, config.qkv_bias
         if shares_kv:
@@ -161,7 +161,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, per_layer_size: int | None = None):
         """`per_layer_size`: the PLE width (None: the config's; an assistant's layers have none)."""
         super().__init__()
-        parts, eps = config.gemma, config.rms_norm_eps
+        parts, eps = config.family_parts, config.rms_norm_eps
         self.kind = config.layer_types[index]
         shares_kv = index >= parts.first_shared(config.num_layers)
         self.attn_norm = GemmaRMSNorm(config.hidden_size, eps)

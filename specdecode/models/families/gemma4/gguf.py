@@ -14,11 +14,11 @@ Gemma 3), layer_scalar as blk.N.layer_output_scale.weight, and nothing is permut
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.families.gemma4.config import from_hf
 from specdecode.models.model_config import ModelConfig
 
 ARCHITECTURE = "gemma4"
@@ -74,7 +74,7 @@ def gemma4_config(meta, tensors: dict, eos: int | None, bos: int | None) -> Mode
                                                  "rope_theta": float(meta("rope.freq_base", 1000000.0))}}}
     if "per_layer_token_embd.weight" in tensors:
         hf["vocab_size_per_layer_input"] = int(tensors["per_layer_token_embd.weight"].shape[1])
-    return ModelConfig.from_hf(hf)
+    return from_hf(hf, "gemma4_text")
 
 
 def _per_layer(value, layers: int) -> list:
@@ -103,9 +103,3 @@ def gemma4_hf_name(gguf_name: str) -> str:
     if match is not None and match.group(2) in _BLOCK:
         return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"
     raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in a {ARCHITECTURE} GGUF file")
-
-
-def check_not_assistant(arch: str, path: Path) -> None:
-    if arch == "gemma4-assistant":
-        raise SpecDecodeError(f"{path} is a Gemma 4 assistant (a drafter): load its model's own file, and name this "
-                              "one with --draft-model for --spec-type mtp")

@@ -12,25 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.models.decoder.gated_deltanet import GatedDeltaNet
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
-from specdecode.models.decoder.layers import MLP
+from specdecode.models.decoder.layers import MLP, ZeroCentredRMSNorm
 from specdecode.models.decoder.rope import apply_rope
+from specdecode.models.families.qwen3_5.gated_deltanet import GatedDeltaNet
 from specdecode.models.model_config import ModelConfig
-
-
-class ZeroCentredRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), in float32 and cast back after the weight (as transformers' Qwen3_5RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -88,7 +74,7 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         # The dtype the layer computes in, when not the model's: float32 where every matmul is w4a8 (set by
-        # kernels/hybrid_kernels.py). Its kernels read and write float32, so a bf16 residual stream would only
+        # families/qwen3_5/kernels.py). Its kernels read and write float32, so a bf16 residual stream would only
         # add conversions (as the Llama family's fused layers, it then keeps the residual stream in float32).
         self.activation_dtype: torch.dtype | None = None
         self.attn_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -12,7 +12,7 @@ checkpoints carry although nothing reads them, are not either.
 
 from __future__ import annotations
 
-from specdecode.models.gemma_config import layer_shape
+from specdecode.models.families.gemma4.config import layer_shape
 from specdecode.models.model_config import ModelConfig
 
 NOT_TEXT_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
@@ -21,7 +21,7 @@ _SHARED_UNREAD = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_at
 
 def gemma_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Each of our parameter names -> the stored names stacked into it (q/k/v and gate/up fused)."""
-    parts = config.gemma
+    parts = config.family_parts
     sources = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
@@ -48,7 +48,7 @@ def layer_sources(dst: str, src: str, config: ModelConfig, index: int, ple: bool
     if _shares_kv(config, index):
         sources[dst + "attn.q.weight"] = [attn + "q_proj.weight"]
     else:
-        values_from_keys = config.gemma.attention_k_eq_v and config.layer_types[index] == "full_attention"
+        values_from_keys = config.family_parts.attention_k_eq_v and config.layer_types[index] == "full_attention"
         sources[dst + "attn.qkv.weight"] = [attn + f"{p}_proj.weight" for p in ("qk" if values_from_keys else "qkv")]
         sources[dst + "attn.k_norm.weight"] = [attn + "k_norm.weight"]
     if ple:
@@ -60,7 +60,7 @@ def layer_sources(dst: str, src: str, config: ModelConfig, index: int, ple: bool
 
 def gemma_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every stored tensor name -> the shape the config implies for it."""
-    parts, hidden, size = config.gemma, config.hidden_size, config.gemma.per_layer_size
+    parts, hidden, size = config.family_parts, config.hidden_size, config.family_parts.per_layer_size
     shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
               "norm.weight": (hidden,), "embed_tokens_per_layer.weight": (parts.per_layer_vocab,
                                                                           config.num_layers * size),
@@ -74,7 +74,7 @@ def gemma_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def layer_shapes(prefix: str, config: ModelConfig, index: int, ple_size: int) -> dict[str, tuple[int, ...]]:
     hidden = config.hidden_size
     kv_heads, dim = layer_shape(config, config.layer_types[index])
-    wide = 2 if config.gemma.double_wide_mlp and _shares_kv(config, index) else 1
+    wide = 2 if config.family_parts.double_wide_mlp and _shares_kv(config, index) else 1
     inner = config.intermediate_size * wide
     q_size, kv_size = config.num_heads * dim, kv_heads * dim
     shapes = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
@@ -91,9 +91,9 @@ def layer_shapes(prefix: str, config: ModelConfig, index: int, ple_size: int) ->
 
 def unread_names(config: ModelConfig) -> set[str]:
     """Stored names a Gemma 4 checkpoint may carry that nothing reads (KV-shared layers' key and value weights)."""
-    first_shared = config.gemma.first_shared(config.num_layers)
+    first_shared = config.family_parts.first_shared(config.num_layers)
     return {f"layers.{i}.{name}" for i in range(first_shared, config.num_layers) for name in _SHARED_UNREAD}
 
 
 def _shares_kv(config: ModelConfig, index: int) -> bool:
-    return index >= config.gemma.first_shared(config.num_layers)
+    return index >= config.family_parts.first_shared(config.num_layers)

@@ -1,4 +1,4 @@
-"""Gemma 4's text trunk (gemma_config.py says what it has) behind the Llama family's Transformer interface, so every
+"""Gemma 4's text trunk (config.py says what it has) behind the Llama family's Transformer interface, so every
 drafter and the engine run over it unchanged.
 
 What differs for them: two rope tables and two attention masks (sliding and full layers), per-layer embeddings
@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.decoder.gemma_layers import GemmaDecoderLayer, GemmaRMSNorm, cache_layers
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.rope import RopeTable
 from specdecode.models.decoder.transformer import ForwardOutput, Transformer, attention_mask, pick_rows
-from specdecode.models.gemma_config import layer_shape, slot_shape
+from specdecode.models.families.gemma4.config import layer_shape, slot_shape
+from specdecode.models.families.gemma4.layers import GemmaDecoderLayer, GemmaRMSNorm, cache_layers
 from specdecode.models.model_config import ModelConfig
 
 
 class GemmaTransformer(Transformer):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        parts = config.gemma
+        parts = config.family_parts
         self.slots = cache_layers(config)
         if parts.per_layer_size:
             width = config.num_layers * parts.per_layer_size
@@ -31,7 +31,7 @@ class GemmaTransformer(Transformer):
             self.per_layer_norm = GemmaRMSNorm(parts.per_layer_size, config.rms_norm_eps)
         self.ropes: dict[str, RopeTable] = {}
         # The residual stream's dtype (None: the weights'); float32 where every matmul is w4a8, whose kernel
-        # takes float32 rows (gemma_kernels.py), saving two conversions a matmul.
+        # takes float32 rows (kernels.py), saving two conversions a matmul.
         self.activation_dtype: torch.dtype | None = None
         for layer in self.layers:
             layer.attn.cache_shape = self.cache_shape
@@ -68,7 +68,7 @@ class GemmaTransformer(Transformer):
     def shared_slot(self, kind: str) -> int:
         """The cache slot a layer of `kind` after the KV-shared boundary reads (the last producer of its kind; a
         Gemma 4 assistant reads the same)."""
-        first_shared = self.config.gemma.first_shared(self.config.num_layers)
+        first_shared = self.config.family_parts.first_shared(self.config.num_layers)
         return max(i for i in range(first_shared) if self.config.layer_types[i] == kind)
 
     def embed_scaled(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ class GemmaTransformer(Transformer):
 
     def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """tokens [B, T] and their scaled embeddings x [B, T, H] -> every layer's PLE vector [B, T, L, P]."""
-        size = self.config.gemma.per_layer_size
+        size = self.config.family_parts.per_layer_size
         if not size:
             return None
         shape = (*tokens.shape, self.config.num_layers, size)
@@ -101,7 +101,7 @@ class GemmaTransformer(Transformer):
     ) -> ForwardOutput:
         new = tokens.shape[1]
         cache.check_room(new)
-        windows = {"sliding_attention": self.config.gemma.sliding_window, "full_attention": None}
+        windows = {"sliding_attention": self.config.family_parts.sliding_window, "full_attention": None}
         masks = {kind: attention_mask(positions, cache, attn_mask, windows[kind]) for kind in self.ropes}
         ropes = {kind: table.lookup(positions) for kind, table in self.ropes.items()}  # [B, 1, T, D/2] each
         cache.record_positions(positions)
@@ -125,7 +125,7 @@ class GemmaTransformer(Transformer):
 
     def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         """logits -> cap * tanh(logits / cap) where the config caps them."""
-        cap = self.config.gemma.final_softcap
+        cap = self.config.family_parts.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
@@ -133,7 +133,7 @@ def gemma_frequencies(config: ModelConfig, kind: str) -> torch.Tensor:
     """[D/2] float32 inverse frequencies of a layer kind's rope. Full layers use "proportional" rope: the first
     fraction of the frequencies as ordinary rope over the whole head size, the rest zero (those pairs do not
     rotate), so the half-split rotation of rope.apply_rope applies unchanged."""
-    parts = config.gemma
+    parts = config.family_parts
     _, dim = layer_shape(config, kind)
     theta = parts.global_theta if kind == "full_attention" else parts.sliding_theta
     fraction = parts.global_rotary_fraction if kind == "full_attention" else 1.0

@@ -1,4 +1,4 @@
-"""A Gemma 4 trunk (decoder/gemma.py) made batch-invariant where this machine allows, as the Llama family's fused
+"""A Gemma 4 trunk (families/gemma4/trunk.py) made batch-invariant where this machine allows, as the Llama family's fused
 and fixed-order layers and the hybrid trunk's are: every attention layer runs the compiled fixed-order attention
 (attention.cpp, each row summing its visible slots in slot order) over its cache slot, and the matmuls are
 row-invariant (w4a8, or oneDNN's packed float kernels found so by a probe at load). The per-layer embeddings,
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.decoder.gemma import GemmaTransformer
 from specdecode.models.decoder.packed_linear import rows_invariant
+from specdecode.models.families.gemma4.trunk import GemmaTransformer
 from specdecode.models.kernels.fixed_order import attention_unavailable, layer_linears
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
@@ -35,7 +35,7 @@ def fix_gemma_layers(model: GemmaTransformer) -> str | None:
         layer.attn.attend = attend
     if not linears:  # every matmul w4a8: the kernels take float32 rows, so the residual stream stays float32
         model.activation_dtype = torch.float32  # (the rope tables follow when finish_loading builds them)
-        for module in [*model.layers, model.norm, *([model.per_layer_norm] if model.config.gemma.per_layer_size
+        for module in [*model.layers, model.norm, *([model.per_layer_norm] if model.config.family_parts.per_layer_size
                                                     else [])]:
             for param in module.parameters():
                 if param.is_floating_point() and param.dim() <= 1:  # norms and layer scalars, read every step
@@ -51,5 +51,5 @@ def gemma_batch_invariant(model: GemmaTransformer) -> bool:
 
 
 def _linears(model: GemmaTransformer) -> list[nn.Module]:
-    extra = [model.per_layer_projection] if model.config.gemma.per_layer_size else []
+    extra = [model.per_layer_projection] if model.config.family_parts.per_layer_size else []
     return [linear for layer in model.layers for linear in layer_linears(layer)] + extra + [model.lm_head]

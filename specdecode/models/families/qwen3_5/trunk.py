@@ -1,7 +1,7 @@
 """A hybrid trunk (Qwen 3.5 / 3.6 dense): Gated DeltaNet and gated full-attention layers (hybrid_layers.py) behind the
 same interface as the Llama family's Transformer, so every drafter and the engine run over it unchanged.
 
-What differs for them is the cache (recurrent_cache.py): recurrent states next to the KV rows, kept per row for
+What differs for them is the cache (cache.py): recurrent states next to the KV rows, kept per row for
 rollback. Each forward tells the cache each new row's parent (from the tree mask), so a tree's nodes each run
 from their parent's state.
 """
@@ -12,14 +12,17 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.hybrid_layers import HybridDecoderLayer, ZeroCentredRMSNorm, layer_kinds
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
-from specdecode.models.decoder.recurrent_cache import HybridCache
+from specdecode.models.decoder.layers import ZeroCentredRMSNorm
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.families.qwen3_5.cache import HybridCache
+from specdecode.models.families.qwen3_5.layers import HybridDecoderLayer, layer_kinds
 from specdecode.models.model_config import ModelConfig
 
 
 class HybridTransformer(Transformer):
+    mtp_feeds_back_normed = True  # vLLM's qwen3_5_mtp and transformers' MtpLayer feed back its post-norm output
+
     @staticmethod
     def build_layers(config: ModelConfig) -> nn.ModuleList:
         return nn.ModuleList(HybridDecoderLayer(config, kind, index) for kind, index in layer_kinds(config))
@@ -28,8 +31,13 @@ class HybridTransformer(Transformer):
     def build_norm(config: ModelConfig) -> nn.Module:
         return ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @staticmethod
+    def build_mtp_block(config: ModelConfig) -> nn.Module:
+        """Its MTP module's block is a gated full-attention layer of the trunk's kind."""
+        return HybridDecoderLayer(config, "full_attention", 0)
+
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> HybridCache:
-        """`rollback_rows`: how many of its last rows the owner may roll back (recurrent_cache.py)."""
+        """`rollback_rows`: how many of its last rows the owner may roll back (cache.py)."""
         c = self.config
         shapes = [layer.mixer.state_shapes() for layer in self.layers if layer.kind == "linear_attention"]
         return HybridCache(len(c.attention_layers), batch_size, c.num_kv_heads, c.head_dim, capacity, self.dtype,

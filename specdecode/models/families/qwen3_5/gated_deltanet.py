@@ -15,7 +15,7 @@ Two forms of the same recurrence:
 - sequential, for decoding and for the rows of a verify forward (up to SEQUENTIAL_ROWS, or any tree): one row
   at a time from its parent's state (the previous row, or in a tree its parent node). Each row is computed with
   the same element-wise operations whatever the number of rows, so a token's output is bitwise the same decoded
-  alone or verified among drafts, and every row's state is at hand for rollback (recurrent_cache.py keeps them).
+  alone or verified among drafts, and every row's state is at hand for rollback (cache.py keeps them).
 - chunked, for reading long prompts: the delta rule's WY form over chunks of CHUNK rows (a triangular solve and
   matmuls inside a chunk, the state carried from chunk to chunk); only the final state comes out.
 """
@@ -74,7 +74,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(values, config.hidden_size, bias=False)
-        # The compiled sequential form (kernels/delta_rule.cpp), set by kernels/hybrid_kernels.py where it runs:
+        # The compiled sequential form (kernels/delta_rule.cpp), set by families/qwen3_5/kernels.py where it runs:
         # one read and one write of the state per row. None: sequential_delta_rule's PyTorch operations.
         self.fused_rule = None
 

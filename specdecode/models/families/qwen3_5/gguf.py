@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.formats.gguf_layout import GGUFLayout
 from specdecode.models.model_config import ModelConfig
 
 ARCHITECTURE = "qwen35"
@@ -69,7 +70,7 @@ def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False) -> M
         rope_theta=float(meta("rope.freq_base", 10000.0)), max_position_embeddings=int(meta("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors, qk_norm=True,
         mtp_layers=nextn if f"blk.{layers}.nextn.eh_proj.weight" in tensors else 0, mtp_declared=nextn,
-        mtp_layout="qwen3_5", layer_types=tuple(kinds), linear_num_key_heads=int(meta("ssm.group_count")),
+        mtp_layout="top_level", layer_types=tuple(kinds), linear_num_key_heads=int(meta("ssm.group_count")),
         linear_num_value_heads=value_heads, linear_key_head_dim=int(meta("ssm.state_size")),
         linear_value_head_dim=int(meta("ssm.inner_size")) // value_heads,
         linear_conv_kernel=int(meta("ssm.conv_kernel", 4)), rotary_dim=int(meta("rope.dimension_count", head_dim)),
@@ -147,3 +148,28 @@ def transforms(name: str, config: ModelConfig) -> bool:
 def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """A stored tensor's shape as Hugging Face's (the convolution's squeezed dimension back)."""
     return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else shape
+
+
+class Qwen35Layout(GGUFLayout):
+    """A qwen35 file's names, value-head order and stored values, put back as Hugging Face's."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(lambda name: qwen35_hf_name(name, config.num_layers))
+        self.config = config
+
+    def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return hf_shape(name, shape)
+
+    def reorders(self, name: str) -> bool:
+        return transforms(name, self.config)
+
+    def rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        rows = value_rows(name, self.config)
+        return tensor if rows is None else tensor[rows]
+
+    def values(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return to_hf_values(name, tensor, self.config)
+
+    def keeps_groups(self, name: str) -> bool:
+        # Columns moved in blocks of value heads would split the file's groups: such a tensor is requantized.
+        return not is_reordered_by_columns(name, self.config)

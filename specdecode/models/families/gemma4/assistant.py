@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.decoder.gemma import gemma_frequencies
-from specdecode.models.decoder.gemma_layers import GemmaDecoderLayer, GemmaRMSNorm
 from specdecode.models.decoder.kv_cache import KVCache
 from specdecode.models.decoder.rope import RopeTable
+from specdecode.models.families.gemma4.layers import GemmaDecoderLayer, GemmaRMSNorm
+from specdecode.models.families.gemma4.trunk import gemma_frequencies
 from specdecode.models.model_config import ModelConfig
 
 
@@ -70,7 +70,7 @@ class GemmaAssistant(nn.Module):
         x = self.pre_projection(torch.cat([embedding, hidden], dim=-1).to(self.dtype))  # [1, 1, H]
         positions = torch.tensor([[position]], device=x.device)  # [1, 1]
         committed = cache.lengths[0]
-        window = self.config.gemma.sliding_window + 1
+        window = self.config.family_parts.sliding_window + 1
         for layer in self.layers:
             cos, sin = self.ropes[layer.kind].lookup(positions)  # [1, 1, 1, D/2] each
             first = max(0, committed - window) if layer.kind == "sliding_attention" else 0

@@ -1,4 +1,4 @@
-"""A Gemma 4 assistant -> heads/gemma_assistant.py's module, checked against the target it drafts for. From a folder
+"""A Gemma 4 assistant -> families/gemma4/assistant.py's module, checked against the target it drafts for. From a folder
 in transformers' layout (config.json of model_type gemma4_assistant with a text_config, and safetensors), or a GGUF
 file in llama.cpp's `gemma4-assistant` layout (its converter's Gemma4AssistantModel: the gemma4 metadata under
 that architecture, `embedding_length_out` for the target's hidden size, `nextn.pre_projection` and
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.families.gemma4.config import from_hf, layer_shape, slot_shape
+from specdecode.models.families.gemma4.tensors import layer_sources
 from specdecode.models.formats.drafter_folder import load_checked, read_drafter_config
-from specdecode.models.formats.gemma_names import layer_sources
 from specdecode.models.formats.weight_source import FolderWeights, stacked
-from specdecode.models.gemma_config import layer_shape, slot_shape
 from specdecode.models.model_config import ModelConfig
 
 WHAT = "a Gemma 4 assistant"
@@ -57,13 +57,13 @@ def assistant_config(hf: dict) -> ModelConfig:
     if not isinstance(text, dict):
         raise SpecDecodeError(f"{WHAT}'s config.json needs a text_config")
     text = {**text, "model_type": "gemma4_text", "num_kv_shared_layers": text.get("num_hidden_layers")}
-    return ModelConfig.from_hf({"tie_word_embeddings": hf.get("tie_word_embeddings", True)} | text)
+    return from_hf({"tie_word_embeddings": hf.get("tie_word_embeddings", True)} | text, "gemma4_text")
 
 
 def load_assistant(folder: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str):
     """-> (GemmaAssistant in `dtype` on `device`, its linear layers in `quant` (--draft-quant), a line saying what
     was loaded). One error where it was made for another target."""
-    from specdecode.models.heads.gemma_assistant import GemmaAssistant
+    from specdecode.models.families.gemma4.assistant import GemmaAssistant
     from specdecode.models.kernels.quantize_module import quantize_linears
 
     if folder.is_file():
@@ -101,8 +101,8 @@ class _Tensors(dict):
 
 def _gguf_source(path: Path) -> tuple[dict, ModelConfig, _Tensors]:
     """-> (the assistant's top-level settings as transformers names them, its config, its tensors in float32)."""
-    from specdecode.models.formats.gguf_convert import dequantize_tensor, field_value, open_gguf
-    from specdecode.models.formats.gguf_gemma4 import gemma4_config, gemma4_hf_name
+    from specdecode.models.families.gemma4.gguf import gemma4_config, gemma4_hf_name
+    from specdecode.models.formats.gguf_read import dequantize_tensor, field_value, open_gguf
 
     reader = open_gguf(path)
     if field_value(reader, "general.architecture") != GGUF_ARCHITECTURE:
@@ -150,7 +150,7 @@ def _state(weights: FolderWeights | _Tensors, config: ModelConfig, centroids: in
 
 def _check_fits(folder: Path, hf: dict, config: ModelConfig, target: ModelConfig) -> None:
     """The assistant reads the target's hidden state, embedding and KV cache: their sizes must be its own."""
-    if not target.is_gemma:
+    if target.architecture != "gemma4":
         raise SpecDecodeError(f"{folder} is {WHAT}: it drafts for a Gemma 4 target, not {target.architecture}")
     differing = []
     if hf.get("backbone_hidden_size", 1536) != target.hidden_size:

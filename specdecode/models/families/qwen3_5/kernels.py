@@ -1,4 +1,4 @@
-"""A hybrid trunk (decoder/hybrid.py) made batch-invariant where this machine allows, as the Llama family's fused
+"""A hybrid trunk (families/qwen3_5/trunk.py) made batch-invariant where this machine allows, as the Llama family's fused
 and fixed-order layers are: its full-attention layers run the compiled fixed-order attention (attention.cpp,
 each row summing its visible slots in slot order), and its matmuls are row-invariant (w4a8, or oneDNN's packed
 float kernels found so by a probe at load). The Gated DeltaNet layers are row-invariant either way (their
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.decoder.hybrid import HybridTransformer
 from specdecode.models.decoder.packed_linear import rows_invariant
+from specdecode.models.families.qwen3_5.trunk import HybridTransformer
 from specdecode.models.kernels.fixed_order import attention_unavailable, layer_linears
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 

@@ -90,7 +90,7 @@ def hybrid_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hybrid_mtp_names(config: ModelConfig) -> set[str]:
+def mtp_names(config: ModelConfig) -> set[str]:
     """The stored names of the MTP module(s) the config declares (all present or none, weight_source checks)."""
     declared = config.mtp_declared
     names = {f"mtp.{theirs}.weight" for theirs in MTP_PARTS.values()} if declared else set()

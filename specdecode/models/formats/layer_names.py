@@ -1,0 +1,98 @@
+"""Hugging Face names of the parts several families share, and the shapes a config implies for them: the Llama-style
+decoder block (self_attn.{q,k,v,o}_proj with their biases and q/k norms, mlp.{gate,up,down}_proj, the two norms)
+and the published MTP layouts (DeepSeek's and MiMo's names for a module's norms and projection). Names are without
+"model."; our parameter names fuse q/k/v and gate/up so each layer streams two fewer weights per token."""
+
+from __future__ import annotations
+
+from specdecode.models.model_config import ModelConfig
+
+# Our MTP module parts (decoder/mtp.py) -> their names in each layout, after the layout's prefix.
+MTP_NAMES = {
+    "deepseek": {"token_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "out_norm": "shared_head.norm"},
+    "mimo": {"token_norm": "token_layernorm", "hidden_norm": "hidden_layernorm", "proj": "input_proj",
+             "out_norm": "final_layernorm"},
+}
+# DeepSeek-named modules may carry copies of the trunk's embedding and head ("shares parameters" in
+# DeepSeek-V3's README_WEIGHTS); like SGLang we use the trunk's own and never read these.
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def attention_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """A Llama-style attention's parameters under `dst` -> the Hugging Face names under `src` they stack."""
+    sources = {}
+    for kind in ("weight", "bias"):
+        if kind == "weight" or config.qkv_bias:
+            sources[dst + f"attn.qkv.{kind}"] = [src + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        if kind == "weight" or config.o_bias:
+            sources[dst + f"attn.o.{kind}"] = [src + f"self_attn.o_proj.{kind}"]
+    if config.qk_norm:
+        sources[dst + "attn.q_norm.weight"] = [src + "self_attn.q_norm.weight"]
+        sources[dst + "attn.k_norm.weight"] = [src + "self_attn.k_norm.weight"]
+    return sources
+
+
+def mlp_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """A gated MLP's parameters under `dst` -> the Hugging Face names under `src` they stack."""
+    sources = {dst + "mlp.gate_up.weight": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
+               dst + "mlp.down.weight": [src + "mlp.down_proj.weight"]}
+    if config.mlp_bias:
+        sources[dst + "mlp.gate_up.bias"] = [src + "mlp.gate_proj.bias", src + "mlp.up_proj.bias"]
+        sources[dst + "mlp.down.bias"] = [src + "mlp.down_proj.bias"]
+    return sources
+
+
+def block_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """One Llama-style decoder layer's parameters under `dst` -> the Hugging Face names under `src`."""
+    return ({dst + "attn_norm.weight": [src + "input_layernorm.weight"],
+             dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
+            | attention_sources(dst, src, config) | mlp_sources(dst, src, config))
+
+
+def attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Llama-style attention's stored names (after the layer's prefix) -> their shapes."""
+    hidden, head = config.hidden_size, config.head_dim
+    q_size, kv_size = config.num_heads * head, config.num_kv_heads * head
+    return {"self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
+            "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
+            "self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
+            "self_attn.v_proj.bias": (kv_size,), "self_attn.o_proj.bias": (hidden,),
+            "self_attn.q_norm.weight": (head,), "self_attn.k_norm.weight": (head,)}
+
+
+def mlp_shapes(hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
+    """A gated MLP's stored names (after the layer's prefix) -> their shapes."""
+    return {"mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+            "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,),
+            "mlp.up_proj.bias": (inner,), "mlp.down_proj.bias": (hidden,)}
+
+
+def block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Llama-style decoder layer's stored names (after the layer's prefix) -> their shapes."""
+    hidden = config.hidden_size
+    return ({"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+            | attention_shapes(config) | mlp_shapes(hidden, config.intermediate_size))
+
+
+def mtp_prefix(j: int, config: ModelConfig) -> str:
+    """Where MTP module j's tensors live, without "model." (DeepSeek numbers them after the trunk's layers)."""
+    return f"mtp_layers.{j}." if config.mtp_layout == "mimo" else f"layers.{config.num_layers + j}."
+
+
+def mtp_part_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
+    """MTP module j's own parts (norms and projection) -> their stored names, in the config's layout."""
+    src = mtp_prefix(j, config)
+    return {f"mtp.{j}.{ours}.weight": [f"{src}{theirs}.weight"] for ours, theirs in MTP_NAMES[config.mtp_layout].items()}
+
+
+def mtp_part_shapes(j: int, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    prefix, parts, hidden = mtp_prefix(j, config), MTP_NAMES[config.mtp_layout], config.hidden_size
+    shapes = {f"{prefix}{parts[norm]}.weight": (hidden,) for norm in ("token_norm", "hidden_norm", "out_norm")}
+    return shapes | {f"{prefix}{parts['proj']}.weight": (hidden, 2 * hidden)}
+
+
+def mtp_shared_copies(config: ModelConfig) -> set[str]:
+    """The stored copies of the trunk's embedding and head that DeepSeek-named MTP modules may carry."""
+    if config.mtp_layout != "deepseek":
+        return set()
+    return {mtp_prefix(j, config) + name for j in range(config.mtp_layers) for name in MTP_SHARED_COPIES}
