@@ -104,7 +104,7 @@ def test_quantized_model_is_cached_and_reloads_identically(mixed_gguf, cache, mo
         raise AssertionError("rebuilt although the quantized model is cached")
 
     monkeypatch.setattr(quantized_model, "build_quantized", fail)
-    monkeypatch.setattr(loader, "GGUFWeights", fail)  # nor is the file parsed: the config comes from the cache
+    monkeypatch.setattr(loader, "open_gguf_weights", fail)  # nor is the file parsed: the config comes from the cache
     second = load_model(mixed_gguf, dtype="bfloat16", quant="int4")
     assert second.model.config == first.model.config
     tokens = torch.arange(12).unsqueeze(0)  # [1, 12]
