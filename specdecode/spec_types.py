@@ -40,6 +40,8 @@ class Sequence:
     drafter_state: dict[str, Any] = field(default_factory=dict)  # drafter name -> its state for this request
     # What a drafter says of how it drafted, counted (stats' drafter_notes): e.g. "dspark_confidence_cut".
     drafter_notes: dict[str, int] = field(default_factory=dict)
+    # Per-step choice's record (combine="best"), member chosen (or "plain") -> what it promised and delivered.
+    choices: dict[str, ChoiceRecord] = field(default_factory=dict)
     # Drafter name -> keys and values [L, Hkv, n, D] of the prompt's first n tokens from the prefix cache, for a
     # drafter that keeps its own cache of the tokens (Drafter.token_caches) to take as it starts.
     reused_drafter_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -53,6 +55,41 @@ class Sequence:
 
     def note(self, what: str, count: int = 1) -> None:
         self.drafter_notes[what] = self.drafter_notes.get(what, 0) + count
+
+
+@dataclass
+class ChoiceRecord:
+    """The steps per-step choice gave one member (drafters/step_choice.py): what its estimates promised and what
+    the steps delivered, as sums, so records of several requests add up."""
+
+    steps: int = 0
+    promised_tokens: float = 0.0  # expected committed tokens (accepted drafts + 1)
+    promised_seconds: float = 0.0  # expected drafting + verify seconds
+    tokens: int = 0  # committed tokens
+    seconds: float = 0.0  # the steps' wall time from the first proposal to the commit
+
+    def add(self, promised_tokens: float, promised_seconds: float, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.promised_tokens += promised_tokens
+        self.promised_seconds += promised_seconds
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def merge(self, other: ChoiceRecord) -> None:
+        self.steps += other.steps
+        self.promised_tokens += other.promised_tokens
+        self.promised_seconds += other.promised_seconds
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+    def to_dict(self) -> dict:
+        """Steps, and tokens per second promised against realised."""
+        return {"steps": self.steps,
+                "promised_tokens_per_second": round(self.promised_tokens / self.promised_seconds, 2)
+                if self.promised_seconds else None,
+                "realised_tokens_per_second": round(self.tokens / self.seconds, 2) if self.seconds else None,
+                "promised_tokens_per_step": round(self.promised_tokens / self.steps, 3) if self.steps else None,
+                "realised_tokens_per_step": round(self.tokens / self.steps, 3) if self.steps else None}
 
 
 @dataclass

@@ -60,14 +60,14 @@ def test_what_auto_finds(cache, tiny_target, monkeypatch):
 def test_auto_runs_every_drafter_found_for_what_was_loaded(cache, tiny_target):
     """The members come from what the engine loaded, in auto_rank order, with per-step choice."""
     target = load_model(tiny_target, dtype="float32")
-    assert Engine(target).check_spec(SpecConfig("auto")).method == "suffix,recycle"
+    assert Engine(target).check_spec(SpecConfig("auto")).method == "suffix"
     write_trained_head(tiny_target)
     paths = find_sources(str(tiny_target), None, None).draft_paths
     engine = Engine(target, load_model(tiny_target, dtype="float32"), draft_path=paths)
     spec = engine.check_spec(SpecConfig("auto", num_draft_tokens=2))
-    assert (spec.method, spec.combine, spec.num_draft_tokens) == ("suffix,recycle,eagle3,draft", "best", 2)
+    assert (spec.method, spec.combine, spec.num_draft_tokens) == ("suffix,eagle3,draft", "best", 2)
     line = AutoDrafter.describe(engine.resources)
-    assert line.startswith("auto: suffix,recycle,eagle3,draft with per-step choice")
+    assert line.startswith("auto: suffix,eagle3,draft with per-step choice")
     assert "eagle3: an EAGLE-3 head at" in line
     # Combined with a named method, its members join once.
     assert engine.check_spec(SpecConfig("recycle,auto")).method == "recycle,suffix,eagle3,draft"
@@ -79,7 +79,7 @@ def test_auto_generates_what_plain_decoding_does(cache, tiny_target, capsys):
             "--dtype", "float32", "--quant", "none", "--spec-type", "auto", "--compare-plain"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "auto: suffix,recycle,eagle3 with per-step choice" in err and "identical output: True" in err
+    assert "auto: suffix,eagle3 with per-step choice" in err and "identical output: True" in err
 
 
 def test_bench_runs_auto_as_one_method():

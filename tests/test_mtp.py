@@ -175,7 +175,7 @@ def test_auto_and_advise_use_the_layers_a_target_ships(base, tmp_path, capsys):
             "float32", "--quant", "none", "--spec-type", "auto", "--compare-plain"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "auto: suffix,recycle,mtp with per-step choice" in err and "identical output: True" in err
+    assert "auto: suffix,mtp with per-step choice" in err and "identical output: True" in err
 
 
 @pytest.fixture(scope="module")

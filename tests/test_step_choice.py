@@ -69,8 +69,8 @@ def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: in
     (and "plain", steps the chooser left without drafts) and the empty proposals' reasons."""
     rng = random.Random(seed)
     members = {m.name: m for m in chain.members}
-    seq = SimpleNamespace(drafter_state={}, tokens=[0] * prompt_len, sampling=SimpleNamespace(max_tokens=4 * steps),
-                          generated=0)
+    seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * prompt_len,
+                          sampling=SimpleNamespace(max_tokens=4 * steps), generated=0)
     chain.start(seq, None)
     began, committed, wins, withheld = clock.now, 0, dict.fromkeys([*members, "plain"], 0), set()
     for _ in range(steps):
@@ -85,7 +85,7 @@ def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: in
         seq.generated += accepted + 1
         wins[proposal.source if proposal.size else "plain"] += 1
         withheld.add(proposal.withheld)
-    return {"rate": committed / (clock.now - began), "wins": wins, "withheld": withheld}
+    return {"rate": committed / (clock.now - began), "wins": wins, "withheld": withheld, "choices": seq.choices}
 
 
 def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float):
@@ -105,6 +105,21 @@ def test_best_prefers_the_model_when_its_drafts_pay_more_than_the_lookups():
     assert first_run["wins"]["lookup"] == 600  # llama.cpp's rule never lets the model draft
     assert best_run["wins"]["model"] > 0.9 * 600
     assert best_run["rate"] > 1.5 * first_run["rate"]
+
+
+def test_the_choice_records_what_each_member_promised_and_gave():
+    """The trace the bench prints (stats' choices): every step the chooser decided is counted under its member,
+    what it committed is what the steps committed, and once learnt the promise is near what the steps gave (the
+    scripted clock makes that exact arithmetic, not a timing)."""
+    chain, clock = make_chain("best", lookup_acceptance=0.2, model_acceptance=0.9, model_cost=0.05)
+    run = simulate(chain, clock, 600)
+    records = run["choices"]
+    assert records["model"].steps == run["wins"]["model"]
+    assert sum(r.steps for r in records.values()) == 600  # a lookup or the model proposed every step
+    model = records["model"].to_dict()
+    assert model["realised_tokens_per_step"] > 3  # 4-token drafts accepted 90% of the time
+    promised, realised = model["promised_tokens_per_second"], model["realised_tokens_per_second"]
+    assert abs(promised - realised) < 0.15 * realised
 
 
 def test_best_keeps_the_free_lookups_when_they_are_accepted():
@@ -172,7 +187,7 @@ def test_a_costly_start_is_weighed_against_the_tokens_left():
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():
     """Losslessness: whether a sampled draft is used must not depend on what was sampled."""
     chain, clock = make_chain("best", lookup_acceptance=0.5, model_acceptance=0.99, model_cost=0.01)
-    seq = SimpleNamespace(drafter_state={})
+    seq = SimpleNamespace(drafter_state={}, choices={})
     for _ in range(50):
         before = chain.members[1].asked
         proposal = chain.propose(seq, 4)
@@ -205,7 +220,7 @@ def test_in_a_batch_the_requests_choosing_one_model_member_draft_together():
     second = Batched("second", clock, 0.02, 0.6, samples=True)
     chain = CombinationDrafter([first, second], "best")
     chain.clock = clock
-    seqs = [SimpleNamespace(drafter_state={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64), generated=0)
+    seqs = [SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64), generated=0)
             for _ in range(4)]
     for seq in seqs:
         chain.start(seq, None)

@@ -112,6 +112,8 @@ def summarize(runs: list[list[QuestionResult]], baseline_runs: list[list[Questio
                            "prefill": round(total.prefill_seconds / spent, 4),
                            "other": round(1 - (total.draft_seconds + total.verify_seconds
                                                + total.prefill_seconds) / spent, 4)},
+            # Per-step choice (combinations with combine="best"): member -> steps, promised against realised.
+            "choices": {member: record.to_dict() for member, record in total.choices.items()},
         })
     return summary
 

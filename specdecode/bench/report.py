@@ -81,6 +81,7 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
         lines.append(f"| {name} | " + " | ".join(f"{v['tokens_per_second']:.2f} ({v['speedup']:.2f}x)"
                                                   for v in per_category.values()) + " |")
     lines += divergence_lines(summaries)
+    lines += choice_lines(summaries)
     lines += ["", "## Definitions (Spec-Bench)", "",
               "- tokens/s: per question, new tokens over wall time (all turns, prefill included), then the mean.",
               "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
@@ -94,6 +95,23 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
               "the coupled rule).", "",
               "![speedup](speedup_by_category.png)", "", "![acceptance](acceptance_by_position.png)", ""]
     return "\n".join(lines)
+
+
+def choice_lines(summaries: dict[str, dict]) -> list[str]:
+    """Per-step choice, per combination and member chosen: its steps and what it promised against what it gave."""
+    rows = [f"| {name} | {member} | {c['steps']} | {_cell(c['promised_tokens_per_step'], '{:.2f}')} | "
+            f"{_cell(c['realised_tokens_per_step'], '{:.2f}')} | {_cell(c['promised_tokens_per_second'], '{:.1f}')} | "
+            f"{_cell(c['realised_tokens_per_second'], '{:.1f}')} |"
+            for name, summary in summaries.items() for member, c in (summary.get("choices") or {}).items()]
+    if not rows:
+        return []
+    return ["", "## Per-step choice: promised against realised", "",
+            "| method | chosen | steps | tokens/step promised | realised | tokens/s promised | realised |",
+            "|---|---|---|---|---|---|---|", *rows]
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def divergence_lines(summaries: dict[str, dict]) -> list[str]:

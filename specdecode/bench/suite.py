@@ -14,7 +14,7 @@ from specdecode.bench.datasets import Question
 from specdecode.bench.divergence import NEAR_TIE_GAP, top2_gap
 from specdecode.bench.metrics import by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
-from specdecode.bench.report import table, write_outputs
+from specdecode.bench.report import choice_lines, table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
 from specdecode.config import COMBINE_RULES, VERIFICATION_RULES, SamplingParams, SpecConfig
 from specdecode.drafters.registry import all_options, resolve_spec
@@ -94,6 +94,9 @@ def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpe
             if method.family != "specdecode" or method.spec.verification_for(sampling) != "coupled":
                 summaries[method.name]["identical_rate"], summaries[method.name]["divergences"] = None, {}
     print(table(summaries))
+    choices = choice_lines(summaries)
+    if choices:
+        print("\n".join(choices[1:]))  # which member each combination's steps chose, promised against realised
     if out is not None:
         write_outputs(out, summaries, categories, raw, setup)
         print(f"wrote {out}/results.json, report.md and plots", file=sys.stderr)

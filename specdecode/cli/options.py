@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from specdecode.config import COMBINE_RULES, DEFAULT_VERIFICATION, VERIFICATION_RULES, SamplingParams, SpecConfig
@@ -50,8 +51,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "greedy identity holds against the target as loaded, quantization included")
     group.add_argument("--draft-quant", default="auto",
                        help="draft weights, the draft model's and an EAGLE-3 head's: auto (on CPU w4a8 where it "
-                       "runs, with a draft model's decoder layers in w3a8 on AVX-512; int4 where it does not; none "
-                       "elsewhere), "
+                       "runs, int4 where it does not; none elsewhere), "
                        "none, int8, int4, w4a8 or w3a8 (3-bit layers on the w4a8 kernel, each group's range "
                        "searched, the output head as w4a8's); a cheaper draft never changes the output")
     group.add_argument("--group-size", type=int, default=32, help="inputs per int4 group (default 32)")
@@ -148,7 +148,7 @@ def load_models(args: argparse.Namespace, draft_name: str | None, quiet: bool = 
     target = load_model(DEFAULT_TARGET if args.model is None else args.model, args.dtype, args.device, quiet,
                         args.quant, args.group_size)  # --model "" is a mistake to report, not the default
     draft = (load_model(draft_name, args.draft_dtype or args.dtype, args.device, quiet,
-                        draft_model_quant(args, quiet), args.group_size) if draft_name else None)
+                        draft_quant(args, quiet), args.group_size) if draft_name else None)
     return target, draft
 
 
@@ -156,7 +156,8 @@ def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
     """'auto': the cheapest draft the device has kernels for, since a draft's precision never changes the output
     (on the default pair, an int4 draft keeps its acceptance and costs 40% of a bf16 one, and a w4a8 draft is
     cheaper still: docs/benchmarks). w4a8 where this CPU runs our kernel (AVX2 + FMA at least) and it compiles,
-    else int4."""
+    else int4. Not w3a8, though its drafted token is cheaper: end to end it decoded no faster on 18 unseen prompts
+    (1.25x plain both), accepted fewer drafts (68% against 73%) and adds minutes to the first run (#62)."""
     if args.draft_quant != "auto":
         return args.draft_quant
     if args.device != "cpu":
@@ -167,19 +168,6 @@ def draft_quant(args: argparse.Namespace, quiet: bool = True) -> str:
     if reason and not quiet:
         print(f"draft in int4, not w4a8: {reason}", file=sys.stderr)
     return "int4" if reason else "w4a8"
-
-
-def draft_model_quant(args: argparse.Namespace, quiet: bool = True) -> str:
-    """The draft model's precision: --draft-quant, where 'auto' takes draft_quant's choice but runs a w4a8 draft's
-    decoder layers at 3 bits (w3a8) on the AVX-512 kernel: on the default pair its drafted token costs 0.30 of a
-    target step against 0.34, and `draft` decodes at 1.46x plain decoding against 1.37x, at 96% of the acceptance.
-    On the AVX2 kernel 3 bits saved no drafter time (1.22x against 1.25x), and the other variants were not
-    measured, so they keep w4a8 (docs/benchmarks). A drafter's own weights (an EAGLE-3 head, MTP layers) keep
-    draft_quant's: heads trained here were not measured at 3 bits."""
-    from specdecode.models.kernels.w4a8_linear import kernel_isa
-
-    quant = draft_quant(args, quiet)
-    return "w3a8" if args.draft_quant == "auto" and quant == "w4a8" and kernel_isa() == "avx512" else quant
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -226,4 +214,9 @@ def build_engine(args: argparse.Namespace, specs: list[SpecConfig], quiet: bool 
                     draft_quant=draft_quant(args), prefix_cache_bytes=prefix_cache_bytes)
     if args.spec_type == "auto" and not (quiet or getattr(args, "quiet", False)):
         print(AutoDrafter.describe(engine.resources), file=sys.stderr)
+    began = time.perf_counter()
+    warmed = engine.warm_up()  # the first request then runs as fast as later ones (engine/warm_up.py)
+    if not (quiet or getattr(args, "quiet", False)):
+        print(f"[warmed up in {time.perf_counter() - began:.1f} s: a short request each by {', '.join(warmed)}]",
+              file=sys.stderr)
     return engine

@@ -8,6 +8,7 @@ another member's draft got accepted; `result.source` tells each member whose pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -17,8 +18,8 @@ from specdecode.drafters import capabilities
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
-from specdecode.drafters.step_choice import StepChooser
-from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyResult
+from specdecode.drafters.step_choice import StepChooser, rate
+from specdecode.spec_types import ChoiceRecord, DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 
 DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start waits for their first turn
+PLAIN = "plain"  # the choice's name for a step it ran without drafts (seq.choices)
 
 
 class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerifyRows):
@@ -92,43 +94,49 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
 
     def _best_many(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Each request's best member (`_ranked`); the requests whose choice is the same sampling member are asked
-        together, and one whose choice proposes nothing goes on down its own ranking."""
+        together, and one whose choice proposes nothing goes on down its own ranking. Each request keeps what its
+        choice promised (name, expected tokens, expected seconds), for the record `commit` adds to seq.choices."""
+        began = self.clock()
         proposals: list[DraftProposal | None] = [None] * len(seqs)
-        rankings: dict[int, list[tuple[float, Drafter, DraftProposal | None]]] = {}
+        promised: list[tuple[str, float, float] | None] = [None] * len(seqs)
+        rankings: dict[int, list[Candidate]] = {}
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
-            proposals[i], ranking = self._ranked(seq, budget)
-            if proposals[i] is None:
+            outright, ranking = self._ranked(seq, budget)
+            if outright is None:
                 rankings[i] = ranking
+            else:
+                proposals[i], promised[i] = outright.proposal, (outright.member.name, *outright.expected)
         plain = self.chooser.plain_promise()
         while rankings:
             asks: dict[str, list[int]] = {}  # member name -> the requests whose best untried choice it is
             for i, ranking in list(rankings.items()):
-                if ranking and ranking[0][0] >= plain and ranking[0][2] is None:
-                    asks.setdefault(ranking[0][1].name, []).append(i)
+                if ranking and ranking[0].promise >= plain and ranking[0].proposal is None:
+                    asks.setdefault(ranking[0].member.name, []).append(i)
                     continue
                 if not ranking:
                     proposals[i] = DraftProposal.empty(self.members[-1].name)
-                elif ranking[0][0] < plain:
+                elif ranking[0].promise < plain:
                     proposals[i] = DraftProposal.empty(self.members[-1].name, withheld="chooser_plain")
+                    promised[i] = (PLAIN, 1.0, self.chooser.verify.predict(0))
                 else:
-                    proposals[i] = ranking[0][2]  # a lookup's proposal, made while ranking
+                    proposals[i] = ranking[0].proposal  # a lookup's proposal, made while ranking
+                    promised[i] = (ranking[0].member.name, *ranking[0].expected)
                 del rankings[i]
             for group in asks.values():
-                member = rankings[group[0]][0][1]
-                for i, proposal in zip(group, self._timed_propose_many(member, [seqs[i] for i in group],
+                chosen = rankings[group[0]][0]
+                for i, proposal in zip(group, self._timed_propose_many(chosen.member, [seqs[i] for i in group],
                                                                         [budgets[i] for i in group])):
                     if proposal.size:
-                        proposals[i] = proposal
+                        proposals[i], promised[i] = proposal, (chosen.member.name, *rankings[i][0].expected)
                         del rankings[i]
                     else:
                         rankings[i].pop(0)
         stamp = self.clock()  # the verify forward starts after every proposal of the step
-        for seq, proposal in zip(seqs, proposals):
-            seq.drafter_state[self.name] = (stamp, proposal_depth(proposal), proposal.size)
+        for seq, proposal, choice in zip(seqs, proposals, promised):
+            seq.drafter_state[self.name] = (began, stamp, proposal_depth(proposal), proposal.size, choice)
         return proposals
 
-    def _ranked(self, seq: Sequence, budget: int
-                ) -> tuple[DraftProposal | None, list[tuple[float, Drafter, DraftProposal | None]]]:
+    def _ranked(self, seq: Sequence, budget: int) -> tuple[Candidate | None, list[Candidate]]:
         """Deterministic members propose now (judged on their proposal); sampling members are judged on their
         estimates and asked only if chosen, so their random drafts never influence whether they are used.
         -> (a lookup's proposal to use outright, or None; the candidates by promise in tokens/s, best first,
@@ -137,15 +145,17 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         for member in self.members:
             if member.caps.emits_probs:
                 seconds = self.chooser.drafting_seconds(member.name, budget) + self._start_share(member, seq, budget)
-                candidates.append((self.chooser.promise(member.name, budget, budget, seconds), member, None))
+                candidates.append(Candidate(member, None, self.chooser.expected(member.name, budget, budget,
+                                                                                 seconds)))
                 continue
             proposal = self._timed_propose_many(member, [seq], [budget])[0]
             if proposal.size:
+                candidate = Candidate(member, proposal, self.chooser.expected(
+                    member.name, proposal_depth(proposal), proposal.size, 0.0))
                 if self.chooser.needs_evidence(member.name):
-                    return proposal, []  # free to make: learn what it is worth (step_choice.py)
-                promise = self.chooser.promise(member.name, proposal_depth(proposal), proposal.size, 0.0)
-                candidates.append((promise, member, proposal))
-        return None, sorted(candidates, key=lambda c: -c[0])
+                    return candidate, []  # free to make: learn what it is worth (step_choice.py)
+                candidates.append(candidate)
+        return None, sorted(candidates, key=lambda c: -c.promise)
 
     def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a deferred member's first catch-up charged to a step drafting `budget` tokens: the
@@ -187,9 +197,13 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         if self.chooser is not None:
             proposed = seq.drafter_state.pop(self.name, None)  # None: the engine had no room to ask for drafts
             if proposed is not None:
-                proposed_at, depth, nodes = proposed
-                self.chooser.record_verdict(result.source, depth, result.num_accepted, nodes,
-                                            self.clock() - proposed_at)
+                began, proposed_at, depth, nodes, choice = proposed
+                now = self.clock()
+                self.chooser.record_verdict(result.source, depth, result.num_accepted, nodes, now - proposed_at)
+                if choice is not None:
+                    name, tokens, seconds = choice
+                    seq.choices.setdefault(name, ChoiceRecord()).add(tokens, seconds, len(result.tokens),
+                                                                     now - began)
         for member in self.members:
             member.commit(seq, result, target)
 
@@ -217,6 +231,21 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
 
     def request_bytes(self, seq: Sequence) -> int:
         return sum(capabilities.request_bytes(member, seq) for member in self.members)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One member's bid for a step: its proposal (None: a sampling member not asked yet) and what the chooser
+    expects of it, (committed tokens, seconds)."""
+
+    member: Drafter
+    proposal: DraftProposal | None
+    expected: tuple[float, float]
+
+    @property
+    def promise(self) -> float:
+        """Committed tokens per second."""
+        return rate(*self.expected)
 
 
 def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[tuple, Drafter]) -> Drafter:

@@ -71,6 +71,10 @@ def smoothed(estimate: float, newest: float) -> float:
     return newest if estimate == 0.0 else estimate + COST_SMOOTHING * (newest - estimate)
 
 
+def rate(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("inf")
+
+
 class VerifyCost:
     """Seconds of a verify step as a + b * nodes, fitted by exponentially weighted least squares."""
 
@@ -103,11 +107,13 @@ class StepChooser:
         self.members = {name: MemberEstimate() for name in members}
         self.verify = VerifyCost()
 
+    def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
+        """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
+        return self.members[member].expected_accepted(depth) + 1, draft_seconds_left + self.verify.predict(nodes)
+
     def promise(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> float:
         """Committed tokens per second a proposal `depth` deep with `nodes` nodes is expected to give."""
-        spent = draft_seconds_left + self.verify.predict(nodes)
-        tokens = self.members[member].expected_accepted(depth) + 1
-        return tokens / spent if spent > 0 else float("inf")
+        return rate(*self.expected(member, depth, nodes, draft_seconds_left))
 
     def plain_promise(self) -> float:
         """Committed tokens per second of a step without drafts (0 until a verify step was timed)."""

@@ -35,6 +35,7 @@ from specdecode.engine.provenance import StepTrace, TokenOrigin, origins
 from specdecode.engine.request import GenerationEvent, Request
 from specdecode.engine.speed_guard import PlainStepClock, SpeedGuard
 from specdecode.engine.stats import GenerationStats
+from specdecode.engine.warm_up import warm_up
 from specdecode.errors import SpecDecodeError
 from specdecode.models.kernels.quantized_linear import check_quant
 from specdecode.models.loader import LoadedModel, module_bytes
@@ -97,6 +98,24 @@ class Engine:
         self.spec = self.check_spec(spec or SpecConfig())
         self._default_key = self._key(self.spec)
         self.drafter(self.spec)  # the default's weights load now: a bad folder fails before the first request
+
+    def warm_up(self) -> list[str]:
+        """A few short requests so that the first real one runs warm, then forget them (engine/warm_up.py) ->
+        the methods that ran."""
+        return warm_up(self)
+
+    def forget_learned(self) -> None:
+        """Drop what requests taught this engine (timings, per-step choice, drafters' cross-request caches, the
+        prefix cache), keeping the models, drafters' own weights and members that keep nothing across requests:
+        as it was after load."""
+        self._drafters.clear()  # combinations and their per-step choice's estimates
+        for key in [key for key, member in self._members.items() if capabilities.cache_bytes(member)]:
+            del self._members[key]  # a suffix cache, a shared adjacency matrix: made again, empty
+        self.plain_clock = PlainStepClock()
+        self.load_budget = BatchDraftBudget()
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache(self.prefix_cache.capacity_bytes)
+        self.drafter(self.spec)
 
     def check_spec(self, spec: SpecConfig, given: Iterable[str] = ()) -> CheckedSpec:
         """`spec` as this engine runs it: our method names, `auto` replaced by the drafters found for what was
@@ -251,6 +270,7 @@ class Engine:
             chunk=chunk or len(prompt_ids), relaxation=None if spec.relaxed is None else Relaxed.parse(spec.relaxed),
             verification=rule, noise=noise, provenance=provenance)
         stats.drafter_notes = request.drafter_notes  # one dict: what the drafter notes is in the stats
+        stats.choices = request.choices  # and what per-step choice records
         if self.prefix_cache is not None and reuse_prefix:
             reused = self.prefix_cache.restore(request)
             if reused is not None:

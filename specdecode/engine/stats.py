@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.spec_types import ChoiceRecord
+
 
 @dataclass
 class GenerationStats:
@@ -41,6 +43,8 @@ class GenerationStats:
     # What a drafter says of how it drafted, counted: "mtp_module_reused" (draft tokens made by an MTP model's
     # last module again, when it ships fewer modules than the draft is long).
     drafter_notes: dict[str, int] = field(default_factory=dict)
+    # Per-step choice (combine="best"): member chosen, or "plain" -> its steps, promised against realised.
+    choices: dict[str, ChoiceRecord] = field(default_factory=dict)
 
     @property
     def lossless(self) -> bool:
@@ -142,6 +146,7 @@ class GenerationStats:
             "steps_without_draft": dict(self.steps_without_draft),
             "guard_shrinks": self.guard_shrinks,
             "guard_pauses": self.guard_pauses,
+            "choices": {member: record.to_dict() for member, record in self.choices.items()},
         }
 
 
@@ -164,6 +169,8 @@ def combine(parts: list[GenerationStats], method: str) -> GenerationStats:
             total.accepted_by[source] = total.accepted_by.get(source, 0) + part.accepted_by.get(source, 0)
         for reason, count in part.steps_without_draft.items():
             total.steps_without_draft[reason] = total.steps_without_draft.get(reason, 0) + count
+        for member, record in part.choices.items():
+            total.choices.setdefault(member, ChoiceRecord()).merge(record)
     # One cache, not a sum; requests ran one after another, so the largest one's memory is the peak.
     for name in ("drafter_cache_bytes", "kv_cache_bytes", "drafter_request_bytes"):
         setattr(total, name, max((getattr(part, name) for part in parts), default=0))
