@@ -84,8 +84,10 @@ def new_modules(target: LoadedModel, count: int, settings: TrainSettings) -> nn.
     """`count` modules, each starting as the target's last layer with a pass-through projection."""
     config = replace(target.config, mtp_layers=count, mtp_declared=count, mtp_layout=mtp_layout(target.config))
     torch.manual_seed(settings.seed)
-    modules = nn.ModuleList(MTPModule(config) for _ in range(count))
     model, hidden = target.model, config.hidden_size
+    trunk = type(model)  # the family's trunk builds the block its MTP layers use
+    modules = nn.ModuleList(MTPModule(config, trunk.build_mtp_block(config), trunk.mtp_feeds_back_normed)
+                            for _ in range(count))
     last = model.layers[-1]
     with torch.no_grad():
         for module in modules:
