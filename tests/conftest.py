@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+TESTS = Path(__file__).resolve().parent  # tests/, its folders mirroring the package's
+ROOT = TESTS.parent  # the repository
+FIXTURES_ROOT = TESTS / "fixtures"  # committed fixtures and the scripts that made them
 USER_CACHE = os.environ.get("SPECDECODE_CACHE")  # as the suite found it
 TINY_VOCAB = 272  # 256 byte tokens + specials, padded like real checkpoints pad their embedding
 CHAT_TEMPLATE = (

@@ -1,5 +1,5 @@
 """The CUDA path measured on random weights of the default target's shape, in one run; where no GPU is present it
-runs what a CPU allows and says what it left out. docs/benchmarks/gpu_check.sh runs tests/test_device.py first.
+runs what a CPU allows and says what it left out. docs/benchmarks/gpu_check.sh runs tests/engine/test_device.py first.
 
     python docs/benchmarks/gpu_check.py --out DIR [--device auto] [--shape 1.5b] [--quick]
 

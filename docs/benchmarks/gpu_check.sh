@@ -3,7 +3,7 @@
 #
 #     bash docs/benchmarks/gpu_check.sh [OUT]      # from the repository root; OUT defaults to $OUT or /tmp/gpu-check
 #
-# 1. tests/test_device.py on CUDA (every registered drafter, its tree mode and a chain: greedy output equal to
+# 1. tests/engine/test_device.py on CUDA (every registered drafter, its tree mode and a chain: greedy output equal to
 #    plain decoding in float32 and bfloat16, alone and batched; the prefix cache; the distribution tests; a
 #    hybrid target). Without a GPU those tests skip with the reason and the CPU's run instead.
 # 2. docs/benchmarks/gpu_check.py: plain decoding, the verify forward by rows and its row invariance, the
@@ -24,7 +24,7 @@ else
     echo "no CUDA device: the CUDA tests will skip, and the measurements run on the CPU"
     select=()
 fi
-"$python" -m pytest -q -rs -p no:cacheprovider "${select[@]}" tests/test_device.py 2>&1 | tee "$out/tests.log"
+"$python" -m pytest -q -rs -p no:cacheprovider "${select[@]}" tests/engine/test_device.py 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 "$python" docs/benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/measure.log"
 measure=${PIPESTATUS[0]}

@@ -9,7 +9,7 @@ Counter-based: the weights of one position are a fixed function of (seed, positi
 key = mix(mix(seed) ^ position): word i is mix(key + (i + 1) γ), whose top 53 bits give v uniform in (0, 1), and
 E_i = -log(1 - v). Nothing is drawn from a stream, so the noise cannot depend on the batch a request shares, the
 length or shape of a draft, the order requests arrive in, or the thread count (the integer words are exact, and the
-float transform is elementwise: tests/test_noise.py checks it bitwise under several thread counts).
+float transform is elementwise: tests/acceptance/test_noise.py checks it bitwise under several thread counts).
 
 Why it matters: the target's token at a position is argmax p w there given the accepted prefix, whatever was drafted
 (acceptance/verify.py's coupled rule), so a seeded answer is plain decoding's at that seed, token for token. A

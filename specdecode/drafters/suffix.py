@@ -14,7 +14,7 @@ output, which verification fixes, but their speed). `serve` therefore turns it o
 API and `generate` keep it on.
 
 Drafts are those of the reference implementation (Arctic Inference's suffix trees, which vLLM's `suffix` runs):
-the same counts, match lengths, scores and tie order, checked on 240 cases (tests/test_suffix_oracle.py). One
+the same counts, match lengths, scores and tie order, checked on 240 cases (tests/drafters/test_suffix_oracle.py). One
 difference: a response enters our cache when its request finishes; the reference adds it token by token, so
 a running request also drafts from its own and other running responses through the cache.
 """

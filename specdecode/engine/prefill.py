@@ -5,7 +5,7 @@ request already decoding for as long as its forward takes. Read a chunk at a tim
 steps (server/scheduler.py), that stall is a chunk's worth. The chunks' forwards append to the request's
 KV cache as a verify forward does, and the drafter is started once, on the whole prompt's hidden states, so what
 the request decodes does not depend on the chunking (bitwise on a w4a8 target, whose kernels give a row the same
-bits whatever rows share its forward; tests/test_drafter_contract.py).
+bits whatever rows share its forward; tests/drafters/test_drafter_contract.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ which begins with the whole of the last one, still hits. A recurrent draft model
 end_state() says whether its rows are reusable in part).
 
 What a hit changes in the output: nothing on a w4a8 target, whose kernels give a row the same bits whatever rows
-share its forward (tests/test_drafter_contract.py); on others the reused rows were computed in another forward
+share its forward (tests/drafters/test_drafter_contract.py); on others the reused rows were computed in another forward
 shape, so tokens may differ at near-ties, as with chunked prefill. Entries are dropped least recently used first
 to stay within the byte budget; an entry whose tokens begin a newer one (the same chat, a turn later) is
 dropped for it.

@@ -1,7 +1,7 @@
 """Our trained drafters written in vLLM's speculators layout, the one its own classes load (speculators 0.9.0,
 PyPI: `Eagle3DraftModel`, `DFlashDraftModel`, `DSparkDraftModel`, through `SpeculatorModel.from_pretrained`)
 and vLLM reads as a speculators checkpoint. tests/fixtures/speculators_oracle/make_fixtures.py loads our files
-with those classes and commits their logits; tests/test_speculators_exports.py matches ours to them.
+with those classes and commits their logits; tests/training/test_speculators_exports.py matches ours to them.
 
 config.json: `speculators_model_type`, the draft layers' Hugging Face config nested in
 `transformer_layer_config` (RoPE written both ways: `rope_theta`/`rope_scaling` for transformers 4,

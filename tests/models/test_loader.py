@@ -20,7 +20,7 @@ from specdecode.models import loader
 from specdecode.models.loader import load_model
 from specdecode.models.model_files import parameter_count
 
-# Same op-order rounding budget as tests/test_transformer.py: both sides fp32 on identical weights.
+# Same op-order rounding budget as tests/models/test_transformer.py: both sides fp32 on identical weights.
 LOGITS_ATOL = 1e-4
 TEXT = "Hello world: café, 世界 and 🙂!"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import ROOT, save_tiny_model
 from safetensors.torch import load_file, save_file
 
 from specdecode import Engine, SamplingParams, SpecConfig
@@ -22,7 +22,7 @@ from specdecode.models.kernels.w4a8_decoder import fuse_layers, fused_batch_inva
 from specdecode.models.loader import load_model
 from specdecode.models.model_config import ModelConfig
 
-PACKAGE = Path(__file__).resolve().parents[1] / "specdecode"
+PACKAGE = ROOT / "specdecode"
 # A toy checkpoint's names for a Llama-style layer's tensors -> Hugging Face's (after "model.layers.N.")
 TOY_NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
              "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",

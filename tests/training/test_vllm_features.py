@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES_ROOT
 from safetensors.torch import load_file
 
 from specdecode.cli.main import main
@@ -29,7 +30,7 @@ from specdecode.training.vllm_features import (  # noqa: E402  (after the skip: 
     sample_files,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = FIXTURES_ROOT
 PREPARED = FIXTURES / "vllm_hidden_states" / "prepared"
 TARGET = FIXTURES / "dflash" / "target"
 LAYER_IDS = (2, 3, 4)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES_ROOT
 from safetensors.torch import load_file
 
 from specdecode.models.families import config_to_hf
@@ -23,8 +24,8 @@ from specdecode.training.dflash import block_objective
 from specdecode.training.dspark import dspark_objective
 from specdecode.training.features import Shard
 
-FIXTURES = Path(__file__).parent / "fixtures" / "speculators_oracle"
-TARGET = Path(__file__).parent / "fixtures" / "dflash" / "target"
+FIXTURES = FIXTURES_ROOT / "speculators_oracle"
+TARGET = FIXTURES_ROOT / "dflash" / "target"
 VERIFIER_NAME = "tests/fixtures/dflash/target"
 INPUTS = load_file(str(FIXTURES / "inputs.safetensors"))
 ORACLE = load_file(str(FIXTURES / "oracle.safetensors"))

@@ -8,6 +8,7 @@ headers, so an ARM user's first load does not meet a compile error we could have
 
 from __future__ import annotations
 
+from conftest import TESTS
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from specdecode.models.kernels import w4a8_linear
 from specdecode.models.kernels.w4a8_linear import VARIANTS
 
 QUANT = Path(w4a8_linear.__file__).parent
-DRIVER = Path(__file__).with_name("kernel_driver") / "w4a8_driver.cpp"
+DRIVER = TESTS / "kernel_driver" / "w4a8_driver.cpp"
 CROSS_COMPILER, EMULATOR = "aarch64-linux-gnu-g++", "qemu-aarch64"
 OUT, IN, ROWS = 96, 768, 19  # 6 tiles, 24 groups in 3 blocks; 19 rows: passes of 8 (or 4) and a remainder
 # The flags the extension is built with (w4a8_linear.load_variant), without OpenMP: the driver runs one thread.

@@ -56,7 +56,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def chain_verify(draft_tokens, draft_probs, target_logits, params, generator, noise=None) -> VerifyResult:
-    """verify() on a chain of drafts (tests/test_tree_verify.py covers trees), coupled when given noise."""
+    """verify() on a chain of drafts (tests/acceptance/test_tree_verify.py covers trees), coupled when given noise."""
     return verify(DraftProposal(draft_tokens, None, draft_probs), target_logits, params, generator, noise=noise)
 
 

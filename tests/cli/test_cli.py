@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_tiny_model
+from conftest import ROOT, save_tiny_model
 
 from specdecode.cli import main
 
@@ -239,11 +239,10 @@ def test_ctrl_c_during_start_up_prints_no_traceback(models, delay):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     # What the installed `specdecode` script runs; the imports of torch and the models take over a second.
     script = "import sys; from specdecode.cli.main import main; sys.exit(main())"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", script, "generate", "hi", "--model", models[0], "--max-tokens",
                                 "2000", "--ignore-eos", "--quiet"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, env=env, text=True)

@@ -4,6 +4,7 @@ cached. Its answers were written by tests/fixtures/suffix_arctic/make_fixtures.p
 
 from __future__ import annotations
 
+from conftest import FIXTURES_ROOT
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from specdecode.drafters.suffix import SuffixDrafter, SuffixOptions
 
-CASES = json.loads((Path(__file__).parent / "fixtures" / "suffix_arctic" / "cases.json").read_text())["cases"]
+CASES = json.loads((FIXTURES_ROOT / "suffix_arctic" / "cases.json").read_text())["cases"]
 
 
 def ours(case: dict):

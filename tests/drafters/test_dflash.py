@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES_ROOT
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.models.formats.dflash import load_dflash, save_dflash
 from specdecode.models.loader import load_model
 
-FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
+FIXTURES = FIXTURES_ROOT / "dflash"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 
 

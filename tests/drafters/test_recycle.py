@@ -1,7 +1,7 @@
 """Token Recycling (drafters/recycle.py): the adjacency matrix learns every row of each verify forward, the
 rejected drafts' included; drafts walk it as a chain or fill the static tree template; it is shared across an
 Engine's requests or kept per request; its memory is reported. Greedy identity, distribution, batches and the
-prefix cache are the contract suite's (tests/test_drafter_contract.py)."""
+prefix cache are the contract suite's (tests/drafters/test_drafter_contract.py)."""
 
 from __future__ import annotations
 

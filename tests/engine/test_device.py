@@ -1,6 +1,6 @@
 """The drafter contract on each device the engine can run on: CUDA in float32 and bfloat16 where a GPU is present
 (skipped with the reason elsewhere), and the CPU in float32, which keeps these tests' own logic exercised on
-every machine (tests/test_drafter_contract.py is the CPU's full contract).
+every machine (tests/drafters/test_drafter_contract.py is the CPU's full contract).
 
 On each device, for every registered drafter, its tree mode and a chain of two: greedy output equal to plain
 decoding on that device, token for token, alone and batched; a chat's second turn taken from the prefix cache
