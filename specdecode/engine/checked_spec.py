@@ -16,7 +16,9 @@ from specdecode.drafters.registry import check_options_apply, check_resources, e
 class CheckedSpec(SpecConfig):
     """A SpecConfig as one Engine runs it (made by `check`, never by hand); `checked_by` names that Engine."""
 
-    checked_by: int  # id() of the Engine whose resources it was checked against
+    # id() of the Engine whose resources it was checked against; 0 on a copy dataclasses.replace made (its fields
+    # may differ from what was checked), which Engine.check_spec then checks again.
+    checked_by: int = 0
 
 
 def check(spec: SpecConfig, resources: DrafterResources, checked_by: int, given: Iterable[str] = ()) -> CheckedSpec:
