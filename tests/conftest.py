@@ -34,6 +34,10 @@ TINY_CONFIGS = {
                     linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # Qwen3-MoE: 8 experts of width 32, 2 per token; the second layer kept dense (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", rope_theta=1000000.0, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                      experts_implementation="eager"),
 }
 
 

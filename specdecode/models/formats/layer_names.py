@@ -42,11 +42,46 @@ def mlp_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]
     return sources
 
 
-def block_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
-    """One Llama-style decoder layer's parameters under `dst` -> the Hugging Face names under `src`."""
+def block_sources(dst: str, src: str, config: ModelConfig, sparse: bool = False) -> dict[str, list[str]]:
+    """One Llama-style decoder layer's parameters under `dst` -> the Hugging Face names under `src`; `sparse`: its
+    MLP is a mixture of experts (decoder/moe.py)."""
     return ({dst + "attn_norm.weight": [src + "input_layernorm.weight"],
              dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
-            | attention_sources(dst, src, config) | mlp_sources(dst, src, config))
+            | attention_sources(dst, src, config)
+            | (moe_sources(dst, src, config) if sparse else mlp_sources(dst, src, config)))
+
+
+def moe_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """A mixture of experts' parameters under `dst` -> the Hugging Face names under `src`: the router `mlp.gate`,
+    each expert under `mlp.experts.{e}.` (a fused folder's are read under these names too, weight_source.py), and
+    the shared experts under the name the family gives them (MoEConfig.shared_name)."""
+    moe = config.moe
+    sources = {dst + "mlp.router.weight": [src + "mlp.gate.weight"]}
+    if moe.score_bias:
+        sources[dst + "mlp.router.score_bias"] = [src + "mlp.gate.e_score_correction_bias"]
+    for e in range(moe.num_experts):
+        expert = f"{src}mlp.experts.{e}."
+        sources[dst + f"mlp.experts.{e}.gate_up.weight"] = [expert + "gate_proj.weight", expert + "up_proj.weight"]
+        sources[dst + f"mlp.experts.{e}.down.weight"] = [expert + "down_proj.weight"]
+    if moe.shared_size:
+        shared = f"{src}mlp.{moe.shared_name}."
+        sources[dst + "mlp.shared.gate_up.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+        sources[dst + "mlp.shared.down.weight"] = [shared + "down_proj.weight"]
+    if moe.shared_gate:
+        sources[dst + "mlp.shared_gate.weight"] = [f"{src}mlp.{moe.shared_name}_gate.weight"]
+    return sources
+
+
+def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture of experts' stored names (after the layer's prefix) -> their shapes."""
+    moe, hidden = config.moe, config.hidden_size
+    shapes = {"mlp.gate.weight": (moe.num_experts, hidden), "mlp.gate.e_score_correction_bias": (moe.num_experts,)}
+    for e in range(moe.num_experts):
+        shapes.update({f"mlp.experts.{e}.{name.removeprefix('mlp.')}": shape for name, shape in
+                       mlp_shapes(hidden, moe.expert_size).items() if name.endswith("weight")})
+    shared = {name.replace("mlp.", f"mlp.{moe.shared_name}.", 1): shape
+              for name, shape in mlp_shapes(hidden, moe.shared_size).items() if name.endswith("weight")}
+    return shapes | shared | {f"mlp.{moe.shared_name}_gate.weight": (1, hidden)}
 
 
 def attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -72,6 +107,13 @@ def block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden = config.hidden_size
     return ({"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
             | attention_shapes(config) | mlp_shapes(hidden, config.intermediate_size))
+
+
+def sparse_block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Llama-style decoder layer's stored names with a mixture of experts for its MLP -> their shapes."""
+    hidden = config.hidden_size
+    return ({"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+            | attention_shapes(config) | moe_shapes(config))
 
 
 def mtp_prefix(j: int, config: ModelConfig) -> str:
