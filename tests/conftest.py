@@ -38,6 +38,12 @@ TINY_CONFIGS = {
     "qwen3_moe": dict(model_type="qwen3_moe", rope_theta=1000000.0, head_dim=16, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
                       experts_implementation="eager"),
+    # GLM-4.5: biases on q, k and v, q/k norms, rope on half of each head, the first layer dense, 8 experts (2 per
+    # token) routed by sigmoid scores with a correction bias, scaled, and one shared expert
+    "glm4_moe": dict(model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
+                     attention_bias=True, routed_scaling_factor=1.5, num_nextn_predict_layers=0,
+                     experts_implementation="eager"),
 }
 
 

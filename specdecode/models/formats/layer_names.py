@@ -5,6 +5,8 @@ and the published MTP layouts (DeepSeek's and MiMo's names for a module's norms 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from specdecode.models.model_config import ModelConfig
 
 # Our MTP module parts (decoder/mtp.py) -> their names in each layout, after the layout's prefix.
@@ -138,3 +140,43 @@ def mtp_shared_copies(config: ModelConfig) -> set[str]:
     if config.mtp_layout != "deepseek":
         return set()
     return {mtp_prefix(j, config) + name for j in range(config.mtp_layers) for name in MTP_SHARED_COPIES}
+
+
+def sparse_trunk_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """A Llama-style trunk whose sparse layers hold experts (decoder/moe.py), with MTP modules in DeepSeek's layout
+    (GLM-4.5's): each of our parameter names -> the Hugging Face names stacked into it, in order."""
+    found = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
+    if not config.tie_word_embeddings:
+        found["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        found.update(block_sources(f"layers.{i}.", f"layers.{i}.", config, config.moe.sparse(i)))
+    for j in range(config.mtp_layers):
+        found.update(sparse_mtp_sources(j, config))
+    return found
+
+
+def sparse_mtp_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
+    """MTP module j's parameters -> their stored names: its block is sparse (transformers builds MTP blocks with
+    no dense layer)."""
+    return mtp_part_sources(j, config) | block_sources(f"mtp.{j}.block.", mtp_prefix(j, config), config, True)
+
+
+def sparse_mtp_names(config: ModelConfig) -> set[str]:
+    """The stored names of the MTP modules the config declares (all present or none, model_files checks)."""
+    declared = replace(config, mtp_layers=config.mtp_declared)
+    return {name for j in range(config.mtp_declared) for names in sparse_mtp_sources(j, declared).values()
+            for name in names}
+
+
+def sparse_trunk_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name of sparse_trunk_sources' trunk -> the shape the config implies for it."""
+    hidden = config.hidden_size
+    found = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+             "norm.weight": (hidden,)}
+    dense, sparse = block_shapes(config), sparse_block_shapes(config)
+    for i in range(config.num_layers):
+        found.update({f"layers.{i}.{name}": shape for name, shape in (sparse if config.moe.sparse(i) else dense).items()})
+    for j in range(config.mtp_layers):
+        found.update({f"{mtp_prefix(j, config)}{name}": shape for name, shape in sparse.items()})
+        found.update(mtp_part_shapes(j, config))
+    return found

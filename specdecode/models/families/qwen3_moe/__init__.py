@@ -1,7 +1,9 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B): the Llama-style decoder with Qwen3's attention,
-each sparse layer's MLP a mixture of experts (decoder/moe.py); read from Hugging Face checkpoints (experts per
-expert or fused) and llama.cpp's qwen3moe GGUF files; batch-invariant on the shared fixed-order float layers and
-w4a8 matmuls (kernels/float_decoder.py), which keep the experts."""
+each sparse layer's MLP a mixture of experts (decoder/moe.py); read from Hugging Face checkpoints (per layer the
+attention with q/k norms, the two norms, and the router `mlp.gate` with experts `mlp.experts.{e}.*_proj`, stored
+per expert or fused, formats/layer_names.py and weight_source.py) and llama.cpp's qwen3moe GGUF files;
+batch-invariant on the shared fixed-order float layers and w4a8 matmuls (kernels/float_decoder.py), which keep the
+experts."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from pathlib import Path
 
 from specdecode.models.decoder.moe import MoETransformer
 from specdecode.models.families.base import GGUFMeta, ModelFamily
-from specdecode.models.families.qwen3_moe import config, tensors
+from specdecode.models.families.qwen3_moe import config
 from specdecode.models.families.registry import register_family
 from specdecode.models.formats.gguf_layout import GGUFLayout
 from specdecode.models.formats.gguf_names import MOE_BLOCK_NAMES, llama_style_name
+from specdecode.models.formats.layer_names import sparse_trunk_shapes, sparse_trunk_sources
 from specdecode.models.kernels.float_decoder import fix_float_layers, float_batch_invariant
 from specdecode.models.model_config import ModelConfig
 
@@ -33,10 +36,10 @@ class Qwen3MoeFamily(ModelFamily):
         return config.from_gguf(meta, tensors_, tokens, path)
 
     def sources(self, model_config: ModelConfig) -> dict[str, list[str]]:
-        return tensors.sources(model_config)
+        return sparse_trunk_sources(model_config)
 
     def shapes(self, model_config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return tensors.shapes(model_config)
+        return sparse_trunk_shapes(model_config)
 
     def gguf_layout(self, model_config: ModelConfig, architecture: str) -> GGUFLayout:
         # Its converter keeps Hugging Face's row order (no q/k interleaving): names alone differ.
