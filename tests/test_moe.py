@@ -67,8 +67,9 @@ def test_logits_match_transformers_whole_in_chunks_and_token_by_token(tmp_path, 
     model = load_model(folder, dtype="float32").model
     assert model.config.moe.dense_layers == tuple(dense)
     expected = reference_logits(folder, IDS)
-    for chunk in (None, 32, 1):  # the prompt longer than a chunk: the cache carries the earlier chunks
+    for chunk in (None, 32):  # the prompt longer than a chunk: the cache carries the earlier chunks
         assert close(logits(model, IDS, chunk), expected), chunk
+    assert close(logits(model, IDS[:, :30], 1), expected[:, :30])  # decoding, token by token
 
 
 def test_a_folder_of_fused_experts_is_the_model_its_per_expert_folder_is(tmp_path):
@@ -198,3 +199,17 @@ def test_a_config_whose_experts_cannot_be_is_one_clear_error(tmp_path, field, va
     hf = json.loads((moe_folder(tmp_path / "m").joinpath("config.json")).read_text()) | {field: value}
     with pytest.raises(SpecDecodeError, match=words):
         config_from_hf(hf)
+
+
+def test_memory_is_said_before_loading_and_a_model_that_cannot_fit_is_refused(tmp_path, monkeypatch, capsys):
+    from specdecode.models import memory_needed
+
+    folder = moe_folder(tmp_path / "m")
+    load_model(folder, dtype="float32", quiet=False)
+    said = capsys.readouterr().err
+    total = parameter_count(load_model(folder, dtype="float32").config)
+    experts = 2 * 8 * 3 * 64 * 32  # two sparse layers of 8 experts, three 64 x 32 matrices each
+    assert f"{total / 1e9:.2f}B weights, {experts / 1e9:.2f}B of them in 8 experts a layer" in said
+    monkeypatch.setattr(memory_needed, "available_bytes", lambda: 4 * total - 1)  # float32: 4 bytes a weight
+    with pytest.raises(SpecDecodeError, match="needs about .* GiB .* this machine has"):
+        load_model(folder, dtype="float32")
