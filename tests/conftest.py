@@ -48,6 +48,14 @@ MOE_CONFIGS = {
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
                      attention_bias=True, routed_scaling_factor=1.5, num_nextn_predict_layers=0,
                      experts_implementation="eager"),
+    # Qwen 3.5 MoE: the hybrid trunk's layers, each MLP 8 experts (2 per token) and a gated shared expert
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", head_dim=32, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                        experts_implementation="eager"),
 }
 
 

@@ -72,6 +72,18 @@ def test_logits_match_transformers_whole_in_chunks_and_token_by_token(tmp_path, 
     assert close(logits(model, IDS[:, :30], 1), expected[:, :30])  # decoding, token by token
 
 
+def test_qwen3_5_moe_logits_match_transformers_whole_in_chunks_and_token_by_token(tmp_path):
+    """Qwen 3.5 MoE: the hybrid trunk (Gated DeltaNet and gated attention) with experts and a gated shared expert
+    in every layer, against transformers' Qwen3_5MoeForCausalLM."""
+    folder = save_tiny_model(tmp_path / "m", "qwen3_5_moe", scale=0.15)
+    model = load_model(folder, dtype="float32").model
+    assert model.config.moe.shared_gate and not model.config.moe.dense_layers
+    expected = reference_logits(folder, IDS)
+    for chunk in (None, 32):  # the chunked delta rule, then 32-row forwards over the recurrent form
+        assert close(logits(model, IDS, chunk), expected), chunk
+    assert close(logits(model, IDS[:, :30], 1), expected[:, :30])  # decoding, token by token
+
+
 def test_a_folder_of_fused_experts_is_the_model_its_per_expert_folder_is(tmp_path):
     """transformers 5 holds experts fused ([E, 2I, H] gate and up, [E, H, I] down); published checkpoints store
     them per expert. Both read as one model."""
@@ -209,7 +221,7 @@ def test_memory_is_said_before_loading_and_a_model_that_cannot_fit_is_refused(tm
     said = capsys.readouterr().err
     total = parameter_count(load_model(folder, dtype="float32").config)
     experts = 2 * 8 * 3 * 64 * 32  # two sparse layers of 8 experts, three 64 x 32 matrices each
-    assert f"{total / 1e9:.2f}B weights, {experts / 1e9:.2f}B of them in 8 experts a layer" in said
+    assert f"{total / 1e6:.2f}M weights, {experts / 1e6:.2f}M of them in 8 experts a layer" in said
     monkeypatch.setattr(memory_needed, "available_bytes", lambda: 4 * total - 1)  # float32: 4 bytes a weight
     with pytest.raises(SpecDecodeError, match="needs about .* GiB .* this machine has"):
         load_model(folder, dtype="float32")

@@ -35,6 +35,11 @@ def weights_bytes(config: ModelConfig, dtype: torch.dtype, quant: str) -> int:
     return int(parameter_count(config) * per_weight)
 
 
+def count(weights: int) -> str:
+    """A number of weights as people write it: 30.53B, 1.54M."""
+    return f"{weights / 1e9:.2f}B" if weights >= 10**8 else f"{weights / 1e6:.2f}M"
+
+
 def available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
     try:
@@ -54,10 +59,10 @@ def check_memory(config: ModelConfig, dtype: torch.dtype, quant: str, where: str
     if experts and not quiet:
         moe = config.moe
         active = total - experts + experts * moe.experts_per_token // moe.num_experts
-        print(f"{where}: {total / 1e9:.2f}B weights, {experts / 1e9:.2f}B of them in {moe.num_experts} experts a "
-              f"layer ({active / 1e9:.2f}B read per token): about {needed / _GIB:.1f} GiB in {kind}", file=sys.stderr)
+        print(f"{where}: {count(total)} weights, {count(experts)} of them in {moe.num_experts} experts a layer "
+              f"({count(active)} read per token): about {needed / _GIB:.1f} GiB in {kind}", file=sys.stderr)
     free = available_bytes()
     if free is not None and needed > free:
-        raise SpecDecodeError(f"{where} needs about {needed / _GIB:.1f} GiB for its {total / 1e9:.2f}B weights in "
+        raise SpecDecodeError(f"{where} needs about {needed / _GIB:.1f} GiB for its {count(total)} weights in "
                               f"{kind}, and this machine has {free / _GIB:.1f} GiB free; try a smaller --quant "
                               "(w4a8) or a smaller model")

@@ -201,17 +201,20 @@ class MoETransformer(Transformer):
         return sparse_layer(config)
 
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
-        """Also pack every router for oneDNN where this machine has its kernels and they prove row-invariant
-        (Router.pack); `routers_invariant` says whether they were."""
         super().finish_loading(rope_factors)
-        routers = [module for module in self.modules() if isinstance(module, Router)]
-        if not can_pack(self):
-            return
-        for router in routers:
-            router.pack()
-        probe = routers[0].packed
-        dtype = torch.float32 if self.config.moe.float32_router else self.dtype
-        self.routers_invariant = rows_invariant(probe, torch.Generator().manual_seed(0), dtype)
+        self.routers_invariant = pack_routers(self)
+
+
+def pack_routers(model: Transformer) -> bool:
+    """Pack every router of a loaded model for oneDNN where this machine has its kernels (Router.pack) -> whether
+    they then prove row-invariant (a probe at load, as for the other packed matmuls)."""
+    routers = [module for module in model.modules() if isinstance(module, Router)]
+    if not routers or not can_pack(model):
+        return False
+    for router in routers:
+        router.pack()
+    dtype = torch.float32 if model.config.moe.float32_router else model.dtype
+    return rows_invariant(routers[0].packed, torch.Generator().manual_seed(0), dtype)
 
 
 def sparse_layer(config: ModelConfig) -> DecoderLayer:
