@@ -38,6 +38,28 @@ TINY_CONFIGS = {
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
+# Mixtures of experts, tested in their own files (test_moe.py, test_glm_moe.py, test_moe_contract.py): in bf16 a
+# token may route to other experts than in float32, which the dense families' closeness checks do not allow for
+MOE_CONFIGS = {
+    # Qwen3-MoE: 8 experts of width 32, 2 per token; the second layer kept dense (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", rope_theta=1000000.0, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                      experts_implementation="eager"),
+    # GLM-4.5: biases on q, k and v, q/k norms, rope on half of each head, the first layer dense, 8 experts (2 per
+    # token) routed by sigmoid scores with a correction bias, scaled, and one shared expert
+    "glm4_moe": dict(model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
+                     attention_bias=True, routed_scaling_factor=1.5, num_nextn_predict_layers=0,
+                     experts_implementation="eager"),
+    # Qwen 3.5 MoE: the hybrid trunk's layers, each MLP 8 experts (2 per token) and a gated shared expert
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", head_dim=32, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                        experts_implementation="eager"),
+}
 
 
 def tiny_hf_config(arch: str, **overrides):
@@ -46,7 +68,7 @@ def tiny_hf_config(arch: str, **overrides):
     base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
-    spec = {**base, **TINY_CONFIGS[arch], **overrides}
+    spec = {**base, **(TINY_CONFIGS | MOE_CONFIGS)[arch], **overrides}
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from specdecode.models.decoder.layers import DecoderLayer
+from specdecode.models.decoder.moe import Router
 from specdecode.models.decoder.mtp import MTPModule
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.families.registry import family_of
 from specdecode.models.heads.dflash import DFlashModel
 from specdecode.models.heads.eagle3 import Eagle3Head
+from specdecode.models.kernels.fixed_order import layer_linears
 from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fixed_order_attention
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel, w4a8_unavailable
 
@@ -35,7 +37,7 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     llama_style = isinstance(modules[0].block, DecoderLayer)
     attentions = [module.block.attn if llama_style else module.block.mixer for module in modules]
     linears = heads + [linear for module, attn in zip(modules, attentions) for linear in (
-        module.proj, attn.qkv, attn.o, module.block.mlp.gate_up, module.block.mlp.down)]
+        module.proj, attn.qkv, attn.o, *_mlp_matmuls(module.block))]
     if not all(isinstance(linear, W4A8Linear) for linear in linears):
         return None
     if not _kernel_reads(cache_dtype, attentions[0].head_dim):
@@ -46,6 +48,13 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
             attn.attend = attend
         return modules
     return nn.ModuleList(MTPModule.sharing(module, FloatDecoderLayer(module.block, attend)) for module in modules)
+
+
+def _mlp_matmuls(block: nn.Module) -> list[nn.Module]:
+    """A block's MLP matmuls: a dense MLP's two, or a mixture of experts' experts and shared experts (its router
+    runs on a row-invariant kernel of its own, decoder/moe.py, checked once for the whole model)."""
+    routers = {id(module.packed) for module in block.mlp.modules() if isinstance(module, Router)}
+    return [linear for linear in layer_linears(block.mlp) if id(linear) not in routers]
 
 
 def fix_eagle3_attention(head: Eagle3Head) -> bool:

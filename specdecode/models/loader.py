@@ -24,6 +24,7 @@ from specdecode.models.formats.default_models import DEFAULT_MODELS, assemble, c
 from specdecode.models.formats.weight_source import FolderWeights, stacked
 from specdecode.models.gguf_conversion import convert_gguf, write_tokenizer
 from specdecode.models.kernels.quantized_linear import check_quant
+from specdecode.models.memory_needed import check_memory
 from specdecode.models.model_config import ModelConfig
 from specdecode.models.model_files import matching_sources, open_gguf_weights, with_present_mtp
 from specdecode.models.quantized_model import load_quantized, quantized_cache_folder
@@ -155,7 +156,9 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
     if source.is_file() and (cache / "config.json").is_file():
         # Cached (the folder is written whole): the GGUF file is not opened, which would parse its whole
         # vocabulary (half a GiB of metadata for Qwen2.5's 151k tokens).
-        return load_quantized(None, read_config(cache), source, cache, dtype, quant, group_size, quiet), cache
+        config = read_config(cache)
+        check_memory(config, dtype, quant, source.name, quiet)
+        return load_quantized(None, config, source, cache, dtype, quant, group_size, quiet), cache
     if source.is_file():
         weights = open_gguf_weights(source)
         config = weights.config
@@ -169,6 +172,7 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
         write_tokenizer(source, folder, config)
 
     extra = write_gguf_tokenizer if source.is_file() else None
+    check_memory(config, dtype, quant, source.name, quiet)
     model = load_quantized(weights, config, source, cache, dtype, quant, group_size, quiet, extra)
     return model, cache if source.is_file() else source
 
@@ -207,6 +211,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: str, quiet: bool = Tru
     weights = FolderWeights(safetensors_files(folder))
     config = with_present_mtp(config, weights)
     sources = matching_sources(weights, folder, config)
+    check_memory(config, dtype, "none", folder.name, quiet)
     rope_factors = weights.get("rope_freqs") if "rope_freqs" in weights.names() else None
     state = {name: stacked(weights, names).to(device=device, dtype=dtype) for name, names in sources.items()}
     family = family_of(config)

@@ -57,6 +57,9 @@ class ModelConfig:
     # What only one family has, checked by its own `check(config)` (e.g. Gemma 4's GemmaParts,
     # families/gemma4/config.py); None for most.
     family_parts: Any = None
+    # A mixture of experts' sizes and routing (decoder/moe.py's MoEConfig, checked by its `check(config)`); None
+    # for a dense model.
+    moe: Any = None
 
     def __post_init__(self) -> None:
         for name, hf_name in _SIZES.items():
@@ -92,6 +95,8 @@ class ModelConfig:
         self._check_hybrid()
         if self.family_parts is not None:
             self.family_parts.check(self)
+        if self.moe is not None:
+            self.moe.check(self)
 
     def _check_hybrid(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers

@@ -87,11 +87,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
+        """`intermediate_size`: a width other than the config's (an expert's, decoder/moe.py)."""
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each

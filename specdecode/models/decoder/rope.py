@@ -60,7 +60,11 @@ class RopeTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D] rotated in the half-split (NeoX) layout that HF checkpoints use."""
+    """x [B, H, T, D] rotated in the half-split (NeoX) layout that HF checkpoints use; with partial rotary (cos and
+    sin [..., R/2], R < D: GLM-4.5) the first R dims of each head are rotated and the rest pass through."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

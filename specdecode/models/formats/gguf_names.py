@@ -27,6 +27,17 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# A mixture of experts' tensors (qwen3moe, glm4moe, ...): the router and the experts stacked in one tensor each,
+# read as one tensor per expert (formats/weight_source.py fills in the expert's index).
+MOE_BLOCK_NAMES = BLOCK_NAMES | {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's multi-token-prediction ("nextn") tensors: gguf-py's names for DeepSeek's, in the last
 # `{arch}.nextn_predict_layers` blocks, whose other tensors are an ordinary decoder layer (decoder/mtp.py).

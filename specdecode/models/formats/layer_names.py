@@ -5,6 +5,8 @@ and the published MTP layouts (DeepSeek's and MiMo's names for a module's norms 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from specdecode.models.model_config import ModelConfig
 
 # Our MTP module parts (decoder/mtp.py) -> their names in each layout, after the layout's prefix.
@@ -42,11 +44,46 @@ def mlp_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]
     return sources
 
 
-def block_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
-    """One Llama-style decoder layer's parameters under `dst` -> the Hugging Face names under `src`."""
+def block_sources(dst: str, src: str, config: ModelConfig, sparse: bool = False) -> dict[str, list[str]]:
+    """One Llama-style decoder layer's parameters under `dst` -> the Hugging Face names under `src`; `sparse`: its
+    MLP is a mixture of experts (decoder/moe.py)."""
     return ({dst + "attn_norm.weight": [src + "input_layernorm.weight"],
              dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
-            | attention_sources(dst, src, config) | mlp_sources(dst, src, config))
+            | attention_sources(dst, src, config)
+            | (moe_sources(dst, src, config) if sparse else mlp_sources(dst, src, config)))
+
+
+def moe_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """A mixture of experts' parameters under `dst` -> the Hugging Face names under `src`: the router `mlp.gate`,
+    each expert under `mlp.experts.{e}.` (a fused folder's are read under these names too, weight_source.py), and
+    the shared experts under the name the family gives them (MoEConfig.shared_name)."""
+    moe = config.moe
+    sources = {dst + "mlp.router.weight": [src + "mlp.gate.weight"]}
+    if moe.score_bias:
+        sources[dst + "mlp.router.score_bias"] = [src + "mlp.gate.e_score_correction_bias"]
+    for e in range(moe.num_experts):
+        expert = f"{src}mlp.experts.{e}."
+        sources[dst + f"mlp.experts.{e}.gate_up.weight"] = [expert + "gate_proj.weight", expert + "up_proj.weight"]
+        sources[dst + f"mlp.experts.{e}.down.weight"] = [expert + "down_proj.weight"]
+    if moe.shared_size:
+        shared = f"{src}mlp.{moe.shared_name}."
+        sources[dst + "mlp.shared.gate_up.weight"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+        sources[dst + "mlp.shared.down.weight"] = [shared + "down_proj.weight"]
+    if moe.shared_gate:
+        sources[dst + "mlp.shared_gate.weight"] = [f"{src}mlp.{moe.shared_name}_gate.weight"]
+    return sources
+
+
+def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture of experts' stored names (after the layer's prefix) -> their shapes."""
+    moe, hidden = config.moe, config.hidden_size
+    shapes = {"mlp.gate.weight": (moe.num_experts, hidden), "mlp.gate.e_score_correction_bias": (moe.num_experts,)}
+    for e in range(moe.num_experts):
+        shapes.update({f"mlp.experts.{e}.{name.removeprefix('mlp.')}": shape for name, shape in
+                       mlp_shapes(hidden, moe.expert_size).items() if name.endswith("weight")})
+    shared = {name.replace("mlp.", f"mlp.{moe.shared_name}.", 1): shape
+              for name, shape in mlp_shapes(hidden, moe.shared_size).items() if name.endswith("weight")}
+    return shapes | shared | {f"mlp.{moe.shared_name}_gate.weight": (1, hidden)}
 
 
 def attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -74,6 +111,13 @@ def block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             | attention_shapes(config) | mlp_shapes(hidden, config.intermediate_size))
 
 
+def sparse_block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Llama-style decoder layer's stored names with a mixture of experts for its MLP -> their shapes."""
+    hidden = config.hidden_size
+    return ({"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+            | attention_shapes(config) | moe_shapes(config))
+
+
 def mtp_prefix(j: int, config: ModelConfig) -> str:
     """Where MTP module j's tensors live, without "model." (DeepSeek numbers them after the trunk's layers)."""
     return f"mtp_layers.{j}." if config.mtp_layout == "mimo" else f"layers.{config.num_layers + j}."
@@ -96,3 +140,43 @@ def mtp_shared_copies(config: ModelConfig) -> set[str]:
     if config.mtp_layout != "deepseek":
         return set()
     return {mtp_prefix(j, config) + name for j in range(config.mtp_layers) for name in MTP_SHARED_COPIES}
+
+
+def sparse_trunk_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """A Llama-style trunk whose sparse layers hold experts (decoder/moe.py), with MTP modules in DeepSeek's layout
+    (GLM-4.5's): each of our parameter names -> the Hugging Face names stacked into it, in order."""
+    found = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
+    if not config.tie_word_embeddings:
+        found["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        found.update(block_sources(f"layers.{i}.", f"layers.{i}.", config, config.moe.sparse(i)))
+    for j in range(config.mtp_layers):
+        found.update(sparse_mtp_sources(j, config))
+    return found
+
+
+def sparse_mtp_sources(j: int, config: ModelConfig) -> dict[str, list[str]]:
+    """MTP module j's parameters -> their stored names: its block is sparse (transformers builds MTP blocks with
+    no dense layer)."""
+    return mtp_part_sources(j, config) | block_sources(f"mtp.{j}.block.", mtp_prefix(j, config), config, True)
+
+
+def sparse_mtp_names(config: ModelConfig) -> set[str]:
+    """The stored names of the MTP modules the config declares (all present or none, model_files checks)."""
+    declared = replace(config, mtp_layers=config.mtp_declared)
+    return {name for j in range(config.mtp_declared) for names in sparse_mtp_sources(j, declared).values()
+            for name in names}
+
+
+def sparse_trunk_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name of sparse_trunk_sources' trunk -> the shape the config implies for it."""
+    hidden = config.hidden_size
+    found = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+             "norm.weight": (hidden,)}
+    dense, sparse = block_shapes(config), sparse_block_shapes(config)
+    for i in range(config.num_layers):
+        found.update({f"layers.{i}.{name}": shape for name, shape in (sparse if config.moe.sparse(i) else dense).items()})
+    for j in range(config.mtp_layers):
+        found.update({f"{mtp_prefix(j, config)}{name}": shape for name, shape in sparse.items()})
+        found.update(mtp_part_shapes(j, config))
+    return found

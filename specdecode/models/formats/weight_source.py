@@ -26,12 +26,26 @@ ALL_ROWS = slice(None)
 _CHUNK_ELEMENTS = 1 << 23  # 32 MB of float32 per block of rows, whatever the row length
 
 
+# transformers 5's fused experts ([E, 2I, H] gate then up rows; [E, H, I]) -> the per-expert tensors they stack,
+# each (its name after "experts.{e}.", which part of the expert's rows: 0 = the first half, 1 = the second, None =
+# all of them)
+FUSED_EXPERTS = {"experts.gate_up_proj": (("gate_proj.weight", 0), ("up_proj.weight", 1)),
+                 "experts.down_proj": (("down_proj.weight", None),)}
+
+
 class FolderWeights:
-    """The *.safetensors files of a Hugging Face-style folder, memory-mapped, tensors read on demand."""
+    """The *.safetensors files of a Hugging Face-style folder, memory-mapped, tensors read on demand.
+
+    Experts stored fused (transformers 5's `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I])
+    are read under the per-expert names published checkpoints use (`experts.{e}.gate_proj.weight` [I, H], ...),
+    so a family names experts one way whichever layout a folder holds."""
 
     def __init__(self, files: list[Path]):
         self._handles = {}
         self._file_of: dict[str, tuple[Path, str]] = {}  # our key (no "model.") -> file and stored key
+        # a per-expert name read from a fused tensor -> (expert, first row, rows) in it
+        self._expert_rows: dict[str, tuple[int, int, int]] = {}
+        self._fused: set[str] = set()  # the fused experts tensors read under per-expert names
         for file in files:
             read_header(file)  # every entry checked against the file: safe_open is handed no crafted offsets
             try:
@@ -41,20 +55,42 @@ class FolderWeights:
             self._handles[file] = handle
             for key in handle.keys():
                 # A multimodal checkpoint keeps its language model under model.language_model.
-                self._file_of[key.removeprefix("model.").removeprefix("language_model.")] = (file, key)
+                name = key.removeprefix("model.").removeprefix("language_model.")
+                self._file_of[name] = (file, key)
+                self._split_experts(name, handle.get_slice(key).get_shape())
+
+    def _split_experts(self, name: str, shape: list[int]) -> None:
+        """Name each expert's part of a fused experts tensor `name` of `shape` (anything else is left alone)."""
+        prefix, dot, stem = name.rpartition("experts.")
+        parts = FUSED_EXPERTS.get(dot + stem)
+        if parts is None or len(shape) != 3:
+            return
+        self._fused.add(name)
+        rows = shape[1] // len(parts)
+        for expert in range(shape[0]):
+            for part, half in parts:
+                per_expert = f"{prefix}experts.{expert}.{part}"
+                self._file_of[per_expert] = self._file_of[name]
+                self._expert_rows[per_expert] = (expert, (half or 0) * rows, rows)
 
     def names(self) -> set[str]:
-        return set(self._file_of)
+        """Every tensor's name; a fused experts tensor's under its per-expert names only."""
+        return set(self._file_of) - self._fused
 
     def shape(self, name: str) -> tuple[int, ...]:
         file, key = self._file_of[name]
-        return tuple(self._handles[file].get_slice(key).get_shape())
+        shape = tuple(self._handles[file].get_slice(key).get_shape())
+        return (self._expert_rows[name][2], shape[2]) if name in self._expert_rows else shape
 
     def get(self, name: str, rows: slice = ALL_ROWS) -> torch.Tensor:
         """The tensor, or its rows `rows`, in the stored dtype."""
         file, key = self._file_of[name]
         try:
             handle = self._handles[file]
+            if name in self._expert_rows:
+                expert, first, count = self._expert_rows[name]
+                start, stop, _ = rows.indices(count)
+                return handle.get_slice(key)[expert : expert + 1, first + start : first + stop][0]
             return handle.get_tensor(key) if rows == ALL_ROWS else handle.get_slice(key)[rows]
         except (SafetensorError, OSError) as error:
             raise SpecDecodeError(f"{file} is corrupt or truncated ({error})") from None
@@ -72,7 +108,14 @@ class GGUFWeights:
         self.reader = reader
         self.config = config
         self.layout = layout
-        self._tensors = {layout.name(t.name): t for t in reader.tensors}
+        self._tensors = {}
+        for tensor in reader.tensors:
+            name = layout.name(tensor.name)
+            if EXPERT in name:  # llama.cpp's `*_exps` [E, rows, columns]: read as one tensor per expert
+                self._tensors.update({name.replace(EXPERT, str(e)): ExpertSlice(tensor, e)
+                                      for e in range(int(tensor.shape[-1]))})
+            else:
+                self._tensors[name] = tensor
         # The vocabulary's arrays are never read from here (transformers builds the tokenizer from the file), and
         # parsed they hold a third of a GiB of small numpy objects for Qwen2.5's 151k tokens.
         fields = reader.fields
@@ -107,6 +150,18 @@ class GGUFWeights:
         if not self.layout.reorders(name):
             return q4_k_groups(tensor, rows)
         return tuple(self.layout.rows(name, part)[rows] for part in q4_k_groups(tensor))
+
+
+EXPERT = "{expert}"  # in a layout's name for a tensor stacking every expert's: where the expert's index goes
+
+
+class ExpertSlice:
+    """One expert's part of a GGUF tensor of experts, shaped and read as a 2-D tensor of its own."""
+
+    def __init__(self, tensor, expert: int):
+        self.data = tensor.data[expert]  # [rows, bytes per row] (quantized) or [rows, columns]
+        self.tensor_type = tensor.tensor_type
+        self.shape = tensor.shape[:2]  # GGUF lists dims innermost first: (columns, rows)
 
 
 def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:

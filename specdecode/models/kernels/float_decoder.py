@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
-from specdecode.models.decoder.layers import Attention, DecoderLayer
+from specdecode.models.decoder.layers import MLP, Attention, DecoderLayer
 from specdecode.models.decoder.packed_linear import PackedLinear, rows_invariant
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.decoder.transformer import Transformer
@@ -86,7 +86,8 @@ def fix_float_layers(model: Transformer) -> str | None:
     # Either way the probe decides.
     generator = torch.Generator().manual_seed(0)
     first = model.layers[0]
-    probes = (first.attn.qkv, first.attn.o, first.mlp.gate_up, first.mlp.down, model.lm_head)
+    mlp = next(module for module in first.mlp.modules() if isinstance(module, MLP))  # a mixture's first expert
+    probes = (first.attn.qkv, first.attn.o, mlp.gate_up, mlp.down, model.lm_head)
     if not all(rows_invariant(linear, generator, model.dtype) for linear in probes):
         return "the matmul on this CPU sums in an order that depends on the number of rows"
     attend = load_kernel().attend

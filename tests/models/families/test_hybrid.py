@@ -238,8 +238,7 @@ def test_a_multimodal_checkpoint_loads_its_language_model_and_skips_the_vision_t
     assert torch.equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize(("model_type", "words"), [("qwen3_5_moe", "mixture-of-experts"),
-                                                    ("qwen3_next", "mixture-of-experts")])
+@pytest.mark.parametrize(("model_type", "words"), [("qwen3_next", "mixture-of-experts")])
 def test_moe_variants_are_refused_with_the_reason(model_type, words):
     with pytest.raises(SpecDecodeError, match=words):
         config_from_hf({"model_type": model_type, "vocab_size": 8})

@@ -1,7 +1,8 @@
-"""Qwen 3.5 / 3.6 dense: a hybrid trunk of Gated DeltaNet layers (recurrent, gated_deltanet.py) and gated
-full-attention layers (layers.py), behind the Llama family's Transformer interface (trunk.py), its cache KV rows
+"""Qwen 3.5 / 3.6, dense and MoE (qwen3_5_moe: a mixture of experts for every layer's MLP, decoder/moe.py): a
+hybrid trunk of Gated DeltaNet layers (recurrent, gated_deltanet.py) and gated full-attention layers (layers.py),
+behind the Llama family's Transformer interface (trunk.py), its cache KV rows
 plus per-row recurrent states (cache.py), with one MTP module; read from Hugging Face checkpoints (text-only and
-multimodal) and llama.cpp's qwen35 GGUF files (gguf.py)."""
+multimodal) and, for the dense models, llama.cpp's qwen35 GGUF files (gguf.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from specdecode.models.families.registry import register_family
 from specdecode.models.heap import keep_freed_heap
 from specdecode.models.model_config import ModelConfig
 
-_MOE = "Qwen 3.5 MoE: the mixture-of-experts block is not implemented (the dense Qwen 3.5 models are)"
+_MOE_GGUF = "Qwen 3.5 MoE's GGUF files: its Hugging Face checkpoints load (qwen3_5_moe)"
 
 
 class Qwen35Family(ModelFamily):
     name = "qwen3_5"
     model_types = config.MODEL_TYPES
     gguf_architectures = {ARCHITECTURE: "qwen3_5"}
-    not_supported = {"qwen3_5_moe": _MOE, "qwen3_5_moe_text": _MOE, "qwen35moe": _MOE,
+    not_supported = {"qwen35moe": _MOE_GGUF,
                      "qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
     cache_kind = "kv+recurrent"
 

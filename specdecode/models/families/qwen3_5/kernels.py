@@ -51,8 +51,9 @@ def fix_hybrid_layers(model: HybridTransformer) -> str | None:
 def hybrid_batch_invariant(model: HybridTransformer) -> bool:
     """Whether fix_hybrid_layers made the trunk batch-invariant."""
     attention = [layer.mixer for layer in model.layers if layer.kind == "full_attention"]
+    routers = model.config.moe is None or model.routers_invariant
     return all(mixer.attend is not None for mixer in attention) and getattr(model.lm_head, "rows_invariant_checked",
-                                                                          False)
+                                                                          False) and routers
 
 
 def _linears(model: HybridTransformer) -> list[nn.Module]:

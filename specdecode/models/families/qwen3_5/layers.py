@@ -1,5 +1,7 @@
-"""The layers of a hybrid trunk (Qwen 3.5 / 3.6 dense): zero-centred RMSNorm, gated full attention, and a decoder
-layer whose token mixer is either that attention or a Gated DeltaNet (gated_deltanet.py), by `layer_types`.
+"""The layers of a hybrid trunk (Qwen 3.5 / 3.6, dense or MoE): zero-centred RMSNorm, gated full attention, and a
+decoder layer whose token mixer is either that attention or a Gated DeltaNet (gated_deltanet.py), by `layer_types`,
+and whose MLP is the gated MLP or, in the MoE models, a mixture of experts with a gated shared expert
+(decoder/moe.py).
 
 Gated attention, as transformers' Qwen3_5Attention computes it: q_proj gives each head a query and an output gate
 (interleaved per head: [query | gate]); q and k are RMS-normalised per head (zero-centred weights); rope turns
@@ -14,6 +16,7 @@ from torch import nn
 
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import MLP, ZeroCentredRMSNorm
+from specdecode.models.decoder.moe import MoEBlock
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.families.qwen3_5.gated_deltanet import GatedDeltaNet
 from specdecode.models.model_config import ModelConfig
@@ -83,7 +86,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mixer = GatedAttention(config, cache_index)
         self.mlp_norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoEBlock(config) if config.moe is not None else MLP(config)  # Qwen 3.5 MoE: experts everywhere
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch,
                 index: int, mask: torch.Tensor | None) -> torch.Tensor:

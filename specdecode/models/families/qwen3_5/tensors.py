@@ -5,13 +5,16 @@ Per layer, by layer_types:
     full attention   self_attn.{q_proj (query and output gate per head), k_proj, v_proj, o_proj, q_norm, k_norm}
     Gated DeltaNet   linear_attn.{in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
                      out_proj}
-    both             input_layernorm, post_attention_layernorm, mlp.{gate,up,down}_proj
+    both             input_layernorm, post_attention_layernorm, mlp.{gate,up,down}_proj; in the MoE models the
+                     router mlp.gate, experts mlp.experts.{e}.* (fused in the published main layers, read per
+                     expert, formats/weight_source.py), mlp.shared_expert.* and mlp.shared_expert_gate
 The MTP module is top-level: mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm, layers.0.*}.
 A multimodal checkpoint's vision tower (model.visual.*) is not read.
 """
 
 from __future__ import annotations
 
+from specdecode.models.formats.layer_names import moe_shapes, moe_sources
 from specdecode.models.model_config import ModelConfig
 
 VISION_PREFIX = "visual."
@@ -35,9 +38,12 @@ def hybrid_sources(config: ModelConfig) -> dict[str, list[str]]:
 
 def _layer_sources(dst: str, src: str, kind: str, config: ModelConfig) -> dict[str, list[str]]:
     sources = {dst + "attn_norm.weight": [src + "input_layernorm.weight"],
-               dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"],
-               dst + "mlp.gate_up.weight": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
-               dst + "mlp.down.weight": [src + "mlp.down_proj.weight"]}
+               dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
+    if config.moe is not None:
+        sources.update(moe_sources(dst, src, config))
+    else:
+        sources[dst + "mlp.gate_up.weight"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
+        sources[dst + "mlp.down.weight"] = [src + "mlp.down_proj.weight"]
     if kind == "linear_attention":
         attn = src + "linear_attn."
         sources[dst + "mixer.in_proj.weight"] = [attn + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")]
@@ -63,9 +69,10 @@ def hybrid_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     channels, value_heads = 2 * keys + values, config.linear_num_value_heads
     shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
               "norm.weight": (hidden,)}
-    common = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-              "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
-              "mlp.down_proj.weight": (hidden, inner)}
+    common = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+    common |= moe_shapes(config) if config.moe is not None else {
+        "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+        "mlp.down_proj.weight": (hidden, inner)}
     attention = {"self_attn.q_proj.weight": (2 * heads, hidden), "self_attn.k_proj.weight": (kv, hidden),
                  "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, heads),
                  "self_attn.q_proj.bias": (2 * heads,), "self_attn.k_proj.bias": (kv,),

@@ -14,6 +14,7 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import ZeroCentredRMSNorm
+from specdecode.models.decoder.moe import pack_routers
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.families.qwen3_5.cache import HybridCache
 from specdecode.models.families.qwen3_5.layers import HybridDecoderLayer, layer_kinds
@@ -35,6 +36,12 @@ class HybridTransformer(Transformer):
     def build_mtp_block(config: ModelConfig) -> nn.Module:
         """Its MTP module's block is a gated full-attention layer of the trunk's kind."""
         return HybridDecoderLayer(config, "full_attention", 0)
+
+    routers_invariant = False  # whether a MoE model's routers run on a row-invariant kernel (finish_loading)
+
+    def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
+        super().finish_loading(rope_factors)
+        self.routers_invariant = pack_routers(self)
 
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> HybridCache:
         """`rollback_rows`: how many of its last rows the owner may roll back (cache.py)."""
