@@ -172,6 +172,7 @@ def load_quantized_source(source: Path, dtype: torch.dtype, quant: str, group_si
         write_tokenizer(source, folder, config)
 
     extra = write_gguf_tokenizer if source.is_file() else None
+    matching_sources(weights, source, config)  # a config its weights contradict fails here, before it is sized
     check_memory(config, dtype, quant, source.name, quiet)
     model = load_quantized(weights, config, source, cache, dtype, quant, group_size, quiet, extra)
     return model, cache if source.is_file() else source
