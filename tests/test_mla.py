@@ -165,8 +165,9 @@ def test_an_odd_rotary_width_is_one_clear_error(tmp_path):
 def add_mtp_module(folder, follow: float = 0.0) -> dict[str, torch.Tensor]:
     """Turn the last of the tiny model's layers into its MTP module (model.layers.{L}.*, a sparse latent-attention
     block as DeepSeek-V3 ships it) with random enorm, hnorm, eh_proj and shared_head.norm -> the module's
-    tensors. `follow` adds follow * identity on eh_proj's hidden half and shrinks the block's outputs, so the
-    module mostly repeats the trunk's prediction (drafts the target sometimes accepts)."""
+    tensors. `follow` adds follow * identity on eh_proj's embedding half and shrinks the block's outputs, so the
+    module mostly predicts from the next token's embedding, as a trunk of quiet layers does (drafts such a target
+    sometimes accepts, test_mla_contract.py)."""
     config = json.loads((folder / "config.json").read_text())
     trunk = config["num_hidden_layers"] - 1
     hidden, start = config["hidden_size"], f"model.layers.{trunk}."
@@ -177,7 +178,7 @@ def add_mtp_module(folder, follow: float = 0.0) -> dict[str, torch.Tensor]:
     for norm in ("enorm", "hnorm", "shared_head.norm"):
         module[f"{start}{norm}.weight"] = 0.8 + 0.4 * torch.rand(hidden, generator=generator)  # [H]
     proj = torch.randn(hidden, 2 * hidden, generator=generator) * 0.15 * (0.2 if follow else 1.0)  # [H, 2H]
-    proj[:, hidden:] += follow * torch.eye(hidden)
+    proj[:, :hidden] += follow * torch.eye(hidden)
     module[start + "eh_proj.weight"] = proj
     weights = {name: tensor for name, tensor in weights.items() if not name.startswith(start)} | module
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
