@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.kv_cache import CacheBatch
+from specdecode.models.decoder.latent_cache import LatentCache, latent_bytes_per_token
 from specdecode.models.families import config_from_hf, family_of
 from specdecode.models.families.deepseek_v3.trunk import attentions
 from specdecode.models.loader import load_model
@@ -47,14 +48,14 @@ def reference(folder):
                                                 experts_implementation="eager").eval()
 
 
-def in_form(model, form: str):
-    """The model with every latent attention in `form`: the fixed-order one it loaded with, or a PyTorch one."""
-    for attn in attentions(model):
-        attn.kernel = getattr(attn, "kernel", attn.attend)  # the compiled attention, kept across calls
-        attn.attend = attn.kernel if form == "fixed" else None
-        attn.expand_from = 1 if form == "expanded" else 1 << 30
-    if form == "fixed" and attentions(model)[0].attend is None:
+def in_form(model, kernel, form: str):
+    """The model with every latent attention in `form`: the fixed-order one it loaded with (over `kernel`, the
+    compiled attention it was given), or a PyTorch one."""
+    if form == "fixed" and kernel is None:
         pytest.skip("the fixed-order attention does not run on this machine")
+    for attn in attentions(model):
+        attn.attend = kernel if form == "fixed" else None
+        attn.expand_from = 1 if form == "expanded" else 1 << 30
     return model
 
 
@@ -76,24 +77,26 @@ def logits(model, ids: torch.Tensor, chunks: tuple[int, ...]) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe_lite"])
 def tiny(request, tmp_path_factory):
-    """(our model, transformers' logits over IDS) for a tiny DeepSeek-V3 (q_lora_rank, YaRN with mscale, groups)
-    and a tiny GLM-4.7-Flash (plain q_proj, default rope, dense layers named per layer)."""
+    """(our model, transformers' logits over IDS, the compiled attention our model's fixed-order form runs or None)
+    for a tiny DeepSeek-V3 (q_lora_rank, YaRN with mscale, groups) and a tiny GLM-4.7-Flash (plain q_proj, default
+    rope, dense layers named per layer)."""
     folder = mla_folder(tmp_path_factory.mktemp(request.param) / "m", request.param)
     with torch.no_grad():
         expected = reference(folder)(IDS).logits  # [1, 70, V]
-    return load_model(folder, dtype="float32").model, expected
+    model = load_model(folder, dtype="float32").model
+    return model, expected, attentions(model)[0].attend
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_logits_match_transformers_whole_in_chunks_and_token_by_token(tiny, form):
-    model, expected = tiny
-    in_form(model, form)
+    model, expected, kernel = tiny
+    in_form(model, kernel, form)
     for chunks in READINGS:
         assert close(logits(model, IDS, chunks), expected), (form, chunks)
 
 
 def test_the_three_forms_agree_on_a_tree_verified_over_a_cached_prompt(tiny):
-    model, _ = tiny
+    model, _, kernel = tiny
     prompt, nodes = IDS[:, :40], IDS[:, 40:46]  # [1, 40], [1, 6]
     parents = [-1, 0, 0, 1, 3, 2]  # two branches from the first node
     mask = torch.zeros(1, 6, 6, dtype=torch.bool)  # [1, T, T] each node sees itself and its ancestors
@@ -104,7 +107,7 @@ def test_the_three_forms_agree_on_a_tree_verified_over_a_cached_prompt(tiny):
     depths = mask[0].sum(-1) - 1  # [T]
     outputs = {}
     for form in FORMS:
-        in_form(model, form)
+        in_form(model, kernel, form)
         cache = model.new_cache(64)
         with torch.inference_mode():
             model(prompt, torch.arange(40).unsqueeze(0), cache)
@@ -115,8 +118,8 @@ def test_the_three_forms_agree_on_a_tree_verified_over_a_cached_prompt(tiny):
 def test_each_verify_row_is_bitwise_its_one_row_result_alone_and_batched(tiny):
     """What makes speculative output bitwise plain decoding's: a drafted token's logits do not depend on how many
     rows or sequences share its forward."""
-    model, _ = tiny
-    in_form(model, "fixed")
+    model, _, kernel = tiny
+    in_form(model, kernel, "fixed")
     assert family_of(model.config).batch_invariant(model)
     prompt, drafted = IDS[:, :30], IDS[:, 30:36]  # [1, 30], [1, 6]
 
@@ -139,14 +142,14 @@ def test_each_verify_row_is_bitwise_its_one_row_result_alone_and_batched(tiny):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_holds_the_latent_and_the_rotary_key_per_token_and_layer(tiny, dtype):
-    model, _ = tiny
+    model = tiny[0]
     mla, layers = model.config.mla, model.config.num_layers
-    model = model.to(dtype)
     per_token = (mla.kv_lora_rank + mla.qk_rope_head_dim) * dtype.itemsize * layers
     position = 8  # each slot's recorded position (int64), as every cache keeps
-    assert model.cache_bytes(100) == 100 * (per_token + position)
-    assert model.new_cache(100).nbytes == 100 * (per_token + position)
-    model.to(torch.float32)
+    assert LatentCache(layers, 1, mla.width, 100, dtype).nbytes == 100 * (per_token + position)
+    assert latent_bytes_per_token(layers, mla.width, dtype) == per_token + position
+    float32_token = latent_bytes_per_token(layers, mla.width, torch.float32)  # the loaded model's dtype
+    assert model.cache_bytes(100) == model.new_cache(100).nbytes == 100 * float32_token
 
 
 def test_deepseek_v32_and_v2_are_refused_with_why():

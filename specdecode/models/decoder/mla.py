@@ -108,15 +108,11 @@ class LatentAttention(nn.Module):
         self.o = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
         self.scale = mla.softmax_scale(config)
         self.rotate = apply_rope_interleaved if mla.rope_interleave else apply_rope
-        # Set by `fix`: the compiled attention and each head's W_UK^T and W_UV as row-invariant matmuls.
+        # Set by `fix`: the compiled attention and each head's W_UK^T and W_UV as row-invariant matmuls, held in
+        # tuples, not submodules: they are kv_b's values in another layout, never saved or loaded (kv_b is).
         self.attend = None
-        self.key_heads: nn.ModuleList | None = None  # nh of [nope] -> [C]
-        self.value_heads: nn.ModuleList | None = None  # nh of [C] -> [v]
-
-    @property
-    def head_dim(self) -> int:
-        """The width the attention kernel attends over: a whole cached row."""
-        return self.mla.width
+        self.key_heads: tuple[nn.Module, ...] = ()  # nh of [nope] -> [C]
+        self.value_heads: tuple[nn.Module, ...] = ()  # nh of [C] -> [v]
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b per head: W_UK [nh, nope, C] (keys) and W_UV [nh, v, C] (values)."""
@@ -134,8 +130,8 @@ class LatentAttention(nn.Module):
             plain.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
             return linear(plain)
 
-        self.key_heads = nn.ModuleList(wrap(w_uk[h].T) for h in range(self.num_heads))
-        self.value_heads = nn.ModuleList(wrap(w_uv[h]) for h in range(self.num_heads))
+        self.key_heads = tuple(wrap(w_uk[h].T) for h in range(self.num_heads))
+        self.value_heads = tuple(wrap(w_uv[h]) for h in range(self.num_heads))
         self.attend = attend
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:

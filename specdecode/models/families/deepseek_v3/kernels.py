@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.models.decoder.layers import MLP
 from specdecode.models.decoder.mla import LatentAttention
-from specdecode.models.decoder.moe import MLP
 from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, rows_invariant
 from specdecode.models.families.deepseek_v3.trunk import LatentTransformer, attentions
 from specdecode.models.kernels.fixed_order import attention_unavailable
