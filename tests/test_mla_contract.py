@@ -1,8 +1,9 @@
 """The drafter contract (test_drafter_contract.py) over a latent-attention target (a tiny DeepSeek-V3 shipping one
-MTP module), for what its verify forward changes: rows attending over compressed latents, routed to experts. One
-drafter of each kind of verify forward, and its own MTP layers: a chain, a tree, drafts read off the target's
-hidden states, a block, MTP. Greedy output equals plain decoding in float32; on a w4a8 target it is bitwise plain
-decoding, alone and with requests verified together in batches. The draft model is a noisy copy of the target."""
+MTP module), for what its verify forward changes: rows attending over compressed latents, routed to experts. A
+chain and a tree from a draft model, and the target's own MTP module (test_moe_contract.py runs the drafters that
+read the target's hidden states or draft blocks over a mixture of experts; what they read does not depend on the
+attention). Greedy output equals plain decoding in float32; on a w4a8 target it is bitwise plain decoding, alone
+and with requests verified together in batches. The draft model is a noisy copy of the target."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import shutil
 import pytest
 import torch
 from batched_runs import run_batched
-from conftest import TINY_VOCAB
 from safetensors.torch import load_file, save_file
-from test_drafter_contract import CONFIGS, IDS, PROMPTS, drafter_folders, greedy
+from test_drafter_contract import CONFIGS, IDS, PROMPTS, greedy
 from test_mla import add_mtp_module, mla_folder
 
 from specdecode import Engine, SpecConfig
@@ -21,9 +21,7 @@ from specdecode.models.families import family_of
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
 
-# chains from a draft model and from n-grams, a tree from a draft model, a tree off the target's hidden states, a
-# block drafted in one pass, the target's own MTP module
-CHOSEN = ("draft", "ngram", "draft-tree", "eagle3-tree", "dflash", "mtp")
+CHOSEN = ("draft", "draft-tree", "mtp")
 RUNS = [pytest.param(method, options, id=name) for (method, options), name in zip(CONFIGS, IDS) if name in CHOSEN]
 BATCHED = [run for run in RUNS if run.id in ("draft-tree", "mtp")]
 
@@ -52,13 +50,13 @@ def quiet_layers(folder, factor: float) -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(the target, its noisy copy as the draft model, the target's folder, the drafters' folders)."""
+    """(the target, its noisy copy as the draft model, the target's folder)."""
     root = tmp_path_factory.mktemp("mla-contract")
     folder = mla_folder(root / "target", "deepseek_v3", num_hidden_layers=4)
     add_mtp_module(folder, follow=1.0)  # its last layer becomes the MTP module: a 3-layer trunk
     target = load_model(folder, dtype="float32")
     draft = load_model(noisy_copy(folder, root / "draft", 0.01), dtype="float32")
-    return target, draft, folder, drafter_folders(root, target, TINY_VOCAB)
+    return target, draft, folder
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +70,7 @@ def quiet_target(pair, tmp_path_factory):
 
 @pytest.mark.parametrize(("method", "options"), RUNS)
 def test_greedy_output_equals_plain_decoding(pair, quiet_target, method, options):
-    engine = Engine(quiet_target if method == "mtp" else pair[0], pair[1], draft_path=pair[3])
+    engine = Engine(quiet_target if method == "mtp" else pair[0], pair[1])
     target = engine.target.model
     assert target.config.mla is not None and target.config.mtp_layers == 1
     assert family_of(target.config).batch_invariant(target)
@@ -91,7 +89,7 @@ def w4a8_engine(pair):
     reason = w4a8_unavailable()
     if reason is not None:
         pytest.skip(f"w4a8 cannot run on this machine: {reason}")
-    return Engine(load_model(pair[2], dtype="bfloat16", quant="w4a8"), pair[1], draft_path=pair[3])
+    return Engine(load_model(pair[2], dtype="bfloat16", quant="w4a8"), pair[1])
 
 
 @pytest.mark.parametrize(("method", "options"), BATCHED)
