@@ -59,6 +59,23 @@ MOE_CONFIGS = {
                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                         experts_implementation="eager"),
+    # DeepSeek-V3: latent attention (a 32-wide latent and a 16-wide rotary key, so 48 a cached row) with YaRN,
+    # 8 experts in 2 groups of which 1 is kept, 2 per token, one shared, the first layer dense
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, head_dim=16, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0},
+                        experts_implementation="eager"),
+    # GLM-4.7-Flash: the same trunk with a plain q_proj, no groups, the dense layers named per layer
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                          qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                          routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "sparse"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          experts_implementation="eager"),
 }
 
 

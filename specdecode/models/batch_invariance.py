@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specdecode.models.decoder.layers import DecoderLayer
+from specdecode.models.decoder.mla import LatentAttention
 from specdecode.models.decoder.moe import Router
 from specdecode.models.decoder.mtp import MTPModule
 from specdecode.models.decoder.transformer import Transformer
@@ -32,6 +33,12 @@ def batch_invariant_mtp(modules: nn.ModuleList, head: nn.Module, cache_dtype: to
     operations work row by row) and the kernel reads their caches' dtype; else None. Their drafts then do not
     depend on what shares their forwards."""
     heads = list(head) if isinstance(head, nn.Sequential) else [head]  # a reduced head is a container of one
+    if isinstance(getattr(modules[0].block, "attn", None), LatentAttention):
+        # Latent attention took its fixed-order form with the trunk's where the block's matmuls proved row-invariant
+        # (families/deepseek_v3/kernels.py); the modules' projections and the head must be w4a8, as below.
+        linears = heads + [module.proj for module in modules]
+        fixed = all(module.block.attn.attend is not None for module in modules)
+        return modules if fixed and all(isinstance(linear, W4A8Linear) for linear in linears) else None
     # A Llama-style block's attention is `attn`, and a fixed-order layer wraps the block; a hybrid trunk's block
     # (Qwen 3.5's) names it `mixer`, which takes the kernel as an attribute.
     llama_style = isinstance(modules[0].block, DecoderLayer)

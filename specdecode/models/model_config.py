@@ -60,6 +60,9 @@ class ModelConfig:
     # A mixture of experts' sizes and routing (decoder/moe.py's MoEConfig, checked by its `check(config)`); None
     # for a dense model.
     moe: Any = None
+    # Multi-head latent attention's sizes (decoder/mla.py's MLAConfig, checked by its `check(config)`); None for
+    # every other attention.
+    mla: Any = None
 
     def __post_init__(self) -> None:
         for name, hf_name in _SIZES.items():
@@ -97,6 +100,8 @@ class ModelConfig:
             self.family_parts.check(self)
         if self.moe is not None:
             self.moe.check(self)
+        if self.mla is not None:
+            self.mla.check(self)
 
     def _check_hybrid(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -178,6 +183,11 @@ def _check_rope_scaling(scaling: dict | None) -> None:
     for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if key in scaling and not (_is_number(scaling[key]) and 0 < scaling[key] < math.inf):
             raise SpecDecodeError(f"config: rope_scaling.{key} must be a positive number, got {scaling[key]!r}")
+    if scaling["rope_type"] == "yarn" and "original_max_position_embeddings" not in scaling:
+        raise SpecDecodeError("config: yarn rope_scaling needs original_max_position_embeddings")
+    if scaling["rope_type"] == "yarn" and scaling.get("factor") is not None and not (
+            _is_number(scaling["factor"]) and 0 < scaling["factor"] < math.inf):
+        raise SpecDecodeError(f"config: rope_scaling.factor must be a positive number, got {scaling['factor']!r}")
     if scaling["rope_type"] == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
         raise SpecDecodeError("config: rope_scaling.low_freq_factor and high_freq_factor must differ")
 

@@ -4,12 +4,11 @@ cached. Its answers were written by tests/fixtures/suffix_arctic/make_fixtures.p
 
 from __future__ import annotations
 
-from conftest import FIXTURES_ROOT
 import json
 import math
-from pathlib import Path
 
 import pytest
+from conftest import FIXTURES_ROOT
 
 from specdecode.drafters.suffix import SuffixDrafter, SuffixOptions
 

@@ -8,7 +8,6 @@ headers, so an ARM user's first load does not meet a compile error we could have
 
 from __future__ import annotations
 
-from conftest import TESTS
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TESTS
 from test_w3a8_linear import three_bit_layer
 from test_w4a8_linear import each_variant, layer_and_weight
 

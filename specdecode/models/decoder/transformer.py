@@ -14,7 +14,7 @@ from torch import nn
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import DecoderLayer, RMSNorm
 from specdecode.models.decoder.mtp import MTPModule
-from specdecode.models.decoder.rope import RopeTable, inverse_frequencies
+from specdecode.models.decoder.rope import RopeTable, attention_factor, inverse_frequencies
 from specdecode.models.model_config import ModelConfig
 
 
@@ -64,7 +64,8 @@ class Transformer(nn.Module):
         weight = self.embed.weight
         inv_freq = inverse_frequencies(self.config, rope_factors)
         rope_dtype = self.layers[0].rope_dtype or weight.dtype  # fused layers take float32 cos/sin
-        self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, rope_dtype, weight.device)
+        self.rope = RopeTable(inv_freq, self.config.max_position_embeddings, rope_dtype, weight.device,
+                              attention_factor(self.config))
 
     @property
     def dtype(self) -> torch.dtype:

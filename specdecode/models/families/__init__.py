@@ -4,7 +4,7 @@ kernels it runs on (base.py). The rest of the runtime asks a model's family (reg
 one it is, so a family is its folder plus its registration. Families do not import one another; the layers they
 share live in models/decoder, models/formats and models/kernels. Importing this package registers them."""
 
-from specdecode.models.families import gemma4, glm4_moe, llama, qwen3_5, qwen3_moe  # noqa: F401 - imported to register the families
+from specdecode.models.families import deepseek_v3, gemma4, glm4_moe, llama, qwen3_5, qwen3_moe  # noqa: F401 - imported to register the families
 from specdecode.models.families.base import ModelFamily, ShippedAssistant
 from specdecode.models.families.registry import (
     FAMILIES,

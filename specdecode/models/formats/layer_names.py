@@ -180,3 +180,48 @@ def sparse_trunk_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         found.update({f"{mtp_prefix(j, config)}{name}": shape for name, shape in sparse.items()})
         found.update(mtp_part_shapes(j, config))
     return found
+
+
+def mla_sources(dst: str, src: str, config: ModelConfig) -> dict[str, list[str]]:
+    """A multi-head latent attention's parameters under `dst` (decoder/mla.py) -> the Hugging Face names under
+    `src` (DeepSeek-V3's and GLM-4.7-Flash's)."""
+    mla, attn, ours = config.mla, src + "self_attn.", dst + "attn."
+    names = {"kv_a": "kv_a_proj_with_mqa", "o": "o_proj"}
+    names |= {"q": "q_proj"} if mla.q_lora_rank is None else {"q_a": "q_a_proj", "q_b": "q_b_proj"}
+    sources = {f"{ours}{mine}.weight": [f"{attn}{theirs}.weight"] for mine, theirs in names.items()}
+    if mla.attention_bias:
+        biased = ("kv_a", "o") if mla.q_lora_rank is None else ("q_a", "kv_a", "o")
+        sources |= {f"{ours}{mine}.bias": [f"{attn}{names[mine]}.bias"] for mine in biased}
+    if mla.q_lora_rank is not None:
+        sources[ours + "q_a_norm.weight"] = [attn + "q_a_layernorm.weight"]
+    return sources | {ours + "kv_a_norm.weight": [attn + "kv_a_layernorm.weight"],
+                      ours + "kv_b": [attn + "kv_b_proj.weight"]}
+
+
+def mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A multi-head latent attention's stored names (after the layer's prefix) -> their shapes."""
+    mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
+    query = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    shapes = {"self_attn.q_proj.weight": (query, hidden), "self_attn.kv_a_proj_with_mqa.weight": (mla.width, hidden),
+              "self_attn.kv_a_proj_with_mqa.bias": (mla.width,), "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+              "self_attn.kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+              "self_attn.o_proj.weight": (hidden, heads * mla.v_head_dim), "self_attn.o_proj.bias": (hidden,)}
+    if mla.q_lora_rank is not None:
+        shapes |= {"self_attn.q_a_proj.weight": (mla.q_lora_rank, hidden), "self_attn.q_a_proj.bias": (mla.q_lora_rank,),
+                   "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
+                   "self_attn.q_b_proj.weight": (query, mla.q_lora_rank)}
+    return shapes
+
+
+def mla_block_sources(dst: str, src: str, config: ModelConfig, sparse: bool) -> dict[str, list[str]]:
+    """A decoder layer with latent attention: norms, attention, and a mixture of experts or a dense MLP."""
+    return ({dst + "attn_norm.weight": [src + "input_layernorm.weight"],
+             dst + "mlp_norm.weight": [src + "post_attention_layernorm.weight"]}
+            | mla_sources(dst, src, config)
+            | (moe_sources(dst, src, config) if sparse else mlp_sources(dst, src, config)))
+
+
+def mla_block_shapes(config: ModelConfig, sparse: bool) -> dict[str, tuple[int, ...]]:
+    hidden = config.hidden_size
+    mlp = moe_shapes(config) if sparse else mlp_shapes(hidden, config.intermediate_size)
+    return {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)} | mla_shapes(config) | mlp
