@@ -32,7 +32,7 @@ from specdecode.models.loader import LoadedModel
 from specdecode.models.model_config import ModelConfig
 from specdecode.training.eagle3 import aux_layer_ids, default_layer_ids, feature_columns, max_positions
 from specdecode.training.features import Shard
-from specdecode.training.from_target import dense_weight, verifier
+from specdecode.training.from_target import check_copyable_layers, dense_weight, verifier
 from specdecode.training.loop import Trainee, TrainSettings, bf16_fast, train_drafter
 from specdecode.training.ttt import UnrollResult
 
@@ -46,6 +46,7 @@ def new_dflash(target: LoadedModel, settings: TrainSettings, block_size: int,
     width is the target's), the fc random, the output norm the target's; `make(config)` builds the model (a
     DSpark drafter adds its heads), else a DFlash drafter; it reads the target's `boundaries` (default:
     EAGLE-3's)."""
+    check_copyable_layers(target, "DFlash and DSpark", settings.modules)
     tc = target.config
     layer = ModelConfig(architecture="qwen3", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
                         intermediate_size=settings.intermediate_size or tc.intermediate_size,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.families.registry import config_to_hf
 from specdecode.models.formats.speculators_export import Verifier
 from specdecode.models.loader import LoadedModel
@@ -29,6 +30,19 @@ def draft_vocabulary(files: list[Path], size: int, vocab: int) -> torch.Tensor:
         counts += torch.bincount(shard.tokens, minlength=vocab) + torch.bincount(shard.top_ids[:, 0], minlength=vocab)
     size = min(size, vocab)
     return counts.topk(size).indices.sort().values
+
+
+def check_copyable_layers(target: LoadedModel, kind: str, count: int) -> None:
+    """MTP modules and DFlash/DSpark drafters start as copies of the target's last `count` layers: grouped-query
+    attention (attn.qkv) over a dense MLP (mlp.gate_up). A target whose layers are otherwise (latent attention, a
+    mixture of experts, a recurrent layer) is one clear error, not an AttributeError mid-copy."""
+    for layer in target.model.layers[-count:]:
+        attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+        if not (hasattr(attn, "qkv") and hasattr(mlp, "gate_up")):
+            raise SpecDecodeError(
+                f"{kind} drafters start as copies of the target's last layers, and {target.name}'s last layers "
+                "(latent attention, a mixture of experts or a recurrent layer) cannot be copied into one yet; "
+                "'specdecode train eagle3' trains a head for any target")
 
 
 def dense_weight(layer: nn.Module, in_features: int, dtype: torch.dtype, device: torch.device

@@ -27,7 +27,7 @@ from specdecode.models.formats.mtp_export import mtp_layout, write_model_with_mt
 from specdecode.models.heads.draft_vocab import frequent_ids
 from specdecode.models.loader import LoadedModel, float_folder, resolve_source
 from specdecode.training.eagle3 import feature_columns, max_positions
-from specdecode.training.from_target import dense_weight
+from specdecode.training.from_target import check_copyable_layers, dense_weight
 from specdecode.training.loop import Trainee, TrainSettings, train_drafter, unrolled
 
 
@@ -82,6 +82,7 @@ class MTPUnroll:
 
 def new_modules(target: LoadedModel, count: int, settings: TrainSettings) -> nn.ModuleList:
     """`count` modules, each starting as the target's last layer with a pass-through projection."""
+    check_copyable_layers(target, "MTP", 1)
     config = replace(target.config, mtp_layers=count, mtp_declared=count, mtp_layout=mtp_layout(target.config))
     torch.manual_seed(settings.seed)
     model, hidden = target.model, config.hidden_size

@@ -156,3 +156,18 @@ def test_features_are_shared_between_kinds(features, tmp_path):
     assert train_eagle3(target, copy, tmp_path / "head", settings, quiet=True)["steps"] > 0
     assert train_mtp(target, copy, tmp_path / "mtp", TrainSettings(draft_vocab=48, epochs=1, eval_every=50),
                      quiet=True)["steps"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_target_whose_layers_cannot_be_copied_is_one_clear_error(tmp_path, arch):
+    """MTP modules and DFlash/DSpark drafters start as copies of the target's last layers: a mixture of experts or
+    latent attention cannot be copied into one yet, which is said before any training (EAGLE-3 trains for any)."""
+    from specdecode.errors import SpecDecodeError
+    from specdecode.training.dflash import new_dflash
+    from specdecode.training.mtp import new_modules
+
+    target = load_model(save_tiny_model(tmp_path / arch, arch), dtype="float32")
+    with pytest.raises(SpecDecodeError, match="cannot be copied into one yet; 'specdecode train eagle3'"):
+        new_modules(target, 1, TrainSettings())
+    with pytest.raises(SpecDecodeError, match="DFlash and DSpark drafters start as copies"):
+        new_dflash(target, TrainSettings(), 4)
