@@ -127,7 +127,7 @@ def test_inspect_says_what_a_model_brings(base, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mtp"]["naming"] == "gguf nextn"
     members = Engine(load_model(folder, dtype="float32")).check_spec(SpecConfig("auto")).method
-    assert members.split(",")[:3] == ["suffix", "recycle", "mtp"]
+    assert members.split(",")[:2] == ["suffix", "mtp"]
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,8 @@ def test_a_w4a8_draft_model_drafts_for_the_whole_batch_in_shared_forwards(w4a8_e
     spec = SpecConfig("ngram,draft", num_draft_tokens=3, options=options, combine=combine, guard=False)
     if combine == "best":  # the choice rests on timings: here the draft model always promises the most
         chooser = w4a8_engine.drafter(spec).chooser
-        monkeypatch.setattr(chooser, "promise", lambda member, *args: float("inf") if member == "draft" else 0.0)
+        # (expected tokens, seconds): the draft model's promise infinite, every other member's zero
+        monkeypatch.setattr(chooser, "expected", lambda member, *args: (1.0, 0.0) if member == "draft" else (0.0, 1.0))
         monkeypatch.setattr(chooser, "needs_evidence", lambda member: False)
     requests = [(p, SamplingParams(max_tokens=20, ignore_eos=True), spec) for p in PROMPTS]
     alone = [w4a8_engine.complete(*request).token_ids for request in requests]

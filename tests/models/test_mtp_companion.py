@@ -147,4 +147,4 @@ def test_inspect_and_auto_see_the_companion(split, capsys):
     assert report["mtp"]["companion"] == str(split[0] / "split" / "mtp-model.gguf")
     assert report["methods"][0]["usable"]
     members = Engine(load_model(trunk_file, dtype="float32", quant="none")).check_spec(SpecConfig("auto")).method
-    assert members.split(",")[:3] == ["suffix", "recycle", "mtp"]
+    assert members.split(",")[:2] == ["suffix", "mtp"]
