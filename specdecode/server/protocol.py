@@ -10,7 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
 from specdecode.config import MAX_DRAFT_TOKENS, MAX_LOGPROBS, VERIFICATION_RULES
-from specdecode.drafters.registry import all_options
+from specdecode.drafters.registry import DRAFTERS, all_options
 
 # Strict types at the HTTP boundary: "stream": "yes" or "max_tokens": "8" is a 400, not a guess. JSON numbers
 # still fill float fields whether written 1 or 1.0; NaN and Infinity are refused.
@@ -259,7 +259,8 @@ def speculative_schema(override: dict, methods: dict[str, list[str]], members: d
 
     variants = [variant({"enum": names}, options_of(members[name]), True) for name, names in methods.items()]
     variants.append(variant({"type": "null"}, options_of(default), False))
-    pattern = "|".join(sorted(methods))
+    # A combination's members draft: plain decoding ('none') drafts nothing and is refused in one (registry.py).
+    pattern = "|".join(sorted(name for name in methods if DRAFTERS[name].caps.drafts))
     variants.append(variant({"type": "string", "pattern": f"^({pattern})(,({pattern}))+$"}, [], True))
     return {"title": "SpeculativeOverride", "oneOf": variants,
             "description": "speculation for this request instead of the server's: a method this server runs with "
