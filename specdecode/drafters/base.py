@@ -60,14 +60,16 @@ class DrafterResources:
 
 
 def option(default: Any, help: str, llama_cpp: str | None = None, vllm: str | None = None,
-           cli: tuple[str, ...] = (), serve_default: Any = None, **bounds: float) -> Any:
+           cli: tuple[str, ...] = (), serve_default: Any = None, within_vocab: bool = False, **bounds: float) -> Any:
     """A drafter option: its default, a help line, and the names llama.cpp's server flags and vLLM's
     `speculative_config` give it (accepted as aliases by our CLI and `--speculative-config`). `serve_default`,
     when set, replaces the default in `specdecode serve` (a server is shared by users who may not see each
     other's data). `bounds` (ge, gt, le, lt) are the values a number takes: checked for every front door
-    (check_bounds) and published in the server's request schema."""
+    (check_bounds) and published in the server's request schema; `within_vocab`: at most the target's vocabulary
+    size too, which only a loaded engine knows (checked by the drafter, published by the server)."""
     return field(default=default, metadata={"help": help, "llama_cpp": llama_cpp, "vllm": vllm, "cli": cli,
-                                            "serve_default": serve_default, "bounds": bounds})
+                                            "serve_default": serve_default, "bounds": bounds,
+                                            "within_vocab": within_vocab})
 
 
 _WITHIN = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}

@@ -59,7 +59,8 @@ class DraftModelOptions(NoOptions):
     draft_vocab: int = option(0, "draft over the N most frequent tokens only (those the target was counted "
                               "emitting most by `specdecode train vocab`, else the lowest ids of a byte-level BPE "
                               "vocabulary) and the end-of-turn tokens, through an output head cut to those rows "
-                              "(0 = the whole vocabulary); the target verifies with its full head", ge=0)
+                              "(0 = the whole vocabulary); the target verifies with its full head", ge=0,
+                              within_vocab=True)
 
 
 @register

@@ -170,7 +170,8 @@ def add_generation_routes(app: FastAPI, engine: Engine, scheduler: Scheduler, me
         cls = DRAFTERS[method["name"]]
         runnable[cls.name] = sorted({cls.name, *cls.aliases, *([cls.vllm_method] if cls.vllm_method else [])})
         members[cls.name] = list(engine.check_spec(SpecConfig(cls.name)).methods)
-    publish_request_schemas(app, [completion_request, chat_request], runnable, members, list(default_spec.methods))
+    publish_request_schemas(app, [completion_request, chat_request], runnable, members, list(default_spec.methods),
+                            engine.target.config.vocab_size)
 
 
 class DrainingServer(uvicorn.Server):

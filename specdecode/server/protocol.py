@@ -213,11 +213,11 @@ def request_body(model: type[BaseModel]) -> dict:
 
 
 def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods: dict[str, list[str]],
-                            members: dict[str, list[str]], default: list[str]) -> None:
+                            members: dict[str, list[str]], default: list[str], vocab_size: int) -> None:
     """Add `models` (and the models they use) to /openapi.json's components, where request_body points.
     `methods`: each method this server can run (name -> the names it answers to), for `speculative`'s schema;
     `members`: each one's drafters, whose options a request naming it may set; `default`: those of a request
-    without a method (the server's default)."""
+    without a method (the server's default); `vocab_size`: the target's, the bound of options within it."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -228,7 +228,7 @@ def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods
                                                 ref_template="#/components/schemas/{model}")
             definitions = definitions["$defs"]
             definitions["SpeculativeOverride"] = speculative_schema(definitions["SpeculativeOverride"], methods,
-                                                                    members, default)
+                                                                    members, default, vocab_size)
             components.update(definitions)
         return schema
 
@@ -236,7 +236,7 @@ def publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], methods
 
 
 def speculative_schema(override: dict, methods: dict[str, list[str]], members: dict[str, list[str]],
-                       default: list[str]) -> dict:
+                       default: list[str], vocab_size: int) -> dict:
     """SpeculativeOverride's schema as the server checks it (drafters/registry.py), one variant per method this
     server can run, each with that method's options only (an option of another method is a 400; `auto` takes
     those of the drafters it stands for here), one without a method (the default's options), and one for a
@@ -250,6 +250,10 @@ def speculative_schema(override: dict, methods: dict[str, list[str]], members: d
         return [item for drafter in drafters for item in declared.get(drafter, [])]
 
     properties = override["properties"]
+    for name, (_, item) in all_options().items():
+        if item.metadata["within_vocab"]:  # as the drafter checks it: more than the vocabulary is a 400
+            number = next(kind for kind in properties[name]["anyOf"] if kind.get("type") != "null")
+            number["maximum"] = vocab_size
 
     def variant(method_schema: dict, option_names: list[str], required: bool) -> dict:
         chosen = {"method": method_schema, "num_draft_tokens": properties["num_draft_tokens"],

@@ -174,8 +174,8 @@ def test_completion_logprobs_streamed_and_not_in_openai_shape(served, engine):
 
 
 def test_the_published_schema_says_what_the_server_serves(served):
-    """Integral numbers are integers (JSON Schema's rule), token ids and max_tokens are bounded by the model, every
-    error status is documented with OpenAI's body, and /metrics is text."""
+    """Integral numbers are integers (JSON Schema's rule), token ids, max_tokens and draft_vocab are bounded by the
+    model, every error status is documented with OpenAI's body, and /metrics is text."""
     status, answer = served.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3.0})
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
     schema = json.loads(served.request("GET", "/openapi.json")[2])
@@ -183,6 +183,10 @@ def test_the_published_schema_says_what_the_server_serves(served):
     ids = next(option for option in completion["prompt"]["anyOf"] if option.get("type") == "array")
     assert ids["items"]["exclusiveMaximum"] == 272 and ids["items"]["minimum"] == 0
     assert {"enum": [MODEL, None]}.items() <= completion["model"].items()
+    override = schema["components"]["schemas"]["SpeculativeOverride"]["oneOf"]
+    draft_vocab = [option for variant in override for option in variant["properties"].get("draft_vocab",
+                                                                                           {}).get("anyOf", [])]
+    assert draft_vocab and all(option["maximum"] == 272 for option in draft_vocab if option["type"] != "null")
     assert schema["components"]["schemas"]["ContentPart"]["properties"]["type"]["const"] == "text"
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert {"200", "400", "401", "404", "408", "413", "429", "500", "503"} <= responses.keys()
