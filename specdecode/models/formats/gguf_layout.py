@@ -35,6 +35,15 @@ class GGUFLayout:
         """A whole tensor as the file stores it (float32, [out, in]) -> Hugging Face's values and order."""
         return self.rows(name, tensor)
 
+    def joined(self, names: set[str]) -> dict[str, tuple[str, ...]]:
+        """Hugging Face tensors the file stores in parts (a deepseek2 file's kv_b_proj as attn_k_b and attn_v_b),
+        found among `names` (as `name` gives them): each one's name -> its parts' names, in join's order."""
+        return {}
+
+    def join(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Tensor `name` from its parts, each read whole as the file stores it (float32, PyTorch's dim order)."""
+        raise NotImplementedError(f"{type(self).__name__} joins no tensors")
+
     def keeps_groups(self, name: str) -> bool:
         """Whether a Q4_K tensor's 32-column groups stay whole once read back (its columns are not moved), so its
         codes can be taken as they are."""

@@ -116,6 +116,10 @@ class GGUFWeights:
                                       for e in range(int(tensor.shape[-1]))})
             else:
                 self._tensors[name] = tensor
+        # Tensors stored in parts, read whole and joined by the layout: name -> the parts, in order
+        self._parts = {name: [self._tensors.pop(part) for part in parts]
+                       for name, parts in layout.joined(set(self._tensors)).items()}
+        self._joined_shapes: dict[str, tuple[int, ...]] = {}
         # The vocabulary's arrays are never read from here (transformers builds the tokenizer from the file), and
         # parsed they hold a third of a GiB of small numpy objects for Qwen2.5's 151k tokens.
         fields = reader.fields
@@ -123,15 +127,22 @@ class GGUFWeights:
             del fields[key]
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._parts)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._parts:  # known once joined (the parts are small: a layer's latent up-projections)
+            if name not in self._joined_shapes:
+                self._joined_shapes[name] = tuple(self.get(name).shape)
+            return self._joined_shapes[name]
         shape = tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims innermost first
         return self.layout.shape(name, shape)
 
     def get(self, name: str, rows: slice = ALL_ROWS) -> torch.Tensor:
         """The tensor, or its rows `rows`, in float32 in PyTorch's [out, in] layout, with Hugging Face's values and
         row order."""
+        if name in self._parts:
+            parts = [torch.from_numpy(dequantize_tensor(part)) for part in self._parts[name]]
+            return self.layout.join(name, parts)[rows]
         tensor = self._tensors[name]
         if not self.layout.reorders(name):
             return torch.from_numpy(dequantize_tensor(tensor, rows))
@@ -142,6 +153,8 @@ class GGUFWeights:
     def is_q4_k(self, name: str) -> bool:
         from gguf import GGMLQuantizationType
 
+        if name in self._parts:
+            return False  # joined from dequantized parts
         return self._tensors[name].tensor_type == GGMLQuantizationType.Q4_K and self.layout.keeps_groups(name)
 
     def q4_k(self, name: str, rows: slice = ALL_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

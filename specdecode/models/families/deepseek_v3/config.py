@@ -9,6 +9,7 @@ ignores first_k_dense_replace there), and the defaults transformers fills in for
 
 from __future__ import annotations
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.mla import MLAConfig
 from specdecode.models.decoder.moe import MoEConfig
 from specdecode.models.model_config import ModelConfig, eos_ids, rope_scaling, rope_theta
@@ -74,3 +75,52 @@ def to_hf(config: ModelConfig) -> dict:
     else:
         hf["first_k_dense_replace"] = len(dense)  # DeepSeek's dense layers are always the first ones
     return hf
+
+
+def from_gguf(meta, tensors: dict, tokens: dict) -> ModelConfig:
+    """From a deepseek2 file's metadata (`meta(key, default)`, keys as llama.cpp's conversion/deepseek.py writes
+    them) and tensor names, run as llama.cpp runs it: the latents' norms with the file's rms epsilon, DeepSeek-V3's
+    sigmoid routing (a file that routes by softmax is DeepSeek-V2, refused), YaRN's two mscales the one
+    yarn_log_multiplier / 0.1 the converter keeps."""
+    if int(meta("expert_gating_func", 1)) != 2:  # gguf-py's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+        raise SpecDecodeError("a deepseek2 file routing by softmax is DeepSeek-V2, whose group-limited greedy "
+                              "routing is not implemented; DeepSeek-V3's (sigmoid) is")
+    nextn = int(meta("nextn_predict_layers", 0))
+    layers = int(meta("block_count")) - nextn  # llama.cpp counts the MTP blocks in block_count
+    heads, rope = int(meta("attention.head_count")), int(meta("rope.dimension_count"))
+    expert_size = int(meta("expert_feed_forward_length"))
+    moe = MoEConfig(num_experts=int(meta("expert_count")), experts_per_token=int(meta("expert_used_count")),
+                    expert_size=expert_size, dense_layers=tuple(range(int(meta("leading_dense_block_count", 0)))),
+                    scoring="sigmoid", score_bias=True, groups=int(meta("expert_group_count", 1)),
+                    groups_kept=int(meta("expert_group_used_count", 1)),
+                    renormalize=bool(meta("expert_weights_norm", False)),
+                    scaling=stored_float(meta("expert_weights_scale", 1.0)), float32_router=True,
+                    shared_size=expert_size * int(meta("expert_shared_count", 0)))
+    eps = float(meta("attention.layer_norm_rms_epsilon", 1e-6))
+    q_lora = meta("attention.q_lora_rank")
+    mla = MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(meta("attention.kv_lora_rank")),
+                    qk_nope_head_dim=int(meta("attention.key_length_mla")) - rope, qk_rope_head_dim=rope,
+                    v_head_dim=int(meta("attention.value_length_mla")), rope_interleave=True,
+                    attention_bias="blk.0.attn_kv_a_mqa.bias" in tensors, latent_norm_eps=eps)
+    scaling = None
+    if meta("rope.scaling.type") == "yarn":
+        mscale = stored_float(float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
+        scaling = {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+                   "mscale": mscale, "mscale_all_dim": mscale}
+    eos = tokens.get("eos")
+    mtp = nextn if f"blk.{layers}.nextn.eh_proj.weight" in tensors else 0
+    return ModelConfig(
+        architecture="deepseek_v3", vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
+        num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=rope, rms_norm_eps=eps,
+        rope_theta=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors, bos_token_id=tokens.get("bos"),
+        eos_token_ids=(int(eos),) if eos is not None else (), mtp_layers=mtp, mtp_declared=nextn, moe=moe, mla=mla)
+
+
+def stored_float(value) -> float:
+    """A float the file keeps in float32 (1.8 reads back as 1.7999999523), at float32's 7 significant digits: the
+    value its config.json said."""
+    return float(f"{float(value):.7g}")
