@@ -30,7 +30,9 @@ BLOCK_NAMES = {
 # A mixture of experts' tensors (qwen3moe, glm4moe, ...): the router and the experts stacked in one tensor each,
 # read as one tensor per expert (formats/weight_source.py fills in the expert's index).
 MOE_BLOCK_NAMES = BLOCK_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",  # glm4moe's and qwen35moe's name for the MLP's norm
     "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",  # the router's selection bias, stored as `exp_probs_b.bias`
     "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
     "ffn_up_exps": "mlp.experts.{expert}.up_proj",
     "ffn_down_exps": "mlp.experts.{expert}.down_proj",
@@ -58,4 +60,5 @@ def llama_style_name(gguf_name: str, blocks: dict[str, str] = BLOCK_NAMES) -> st
     if match is None or match.group(2) not in blocks:
         raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in GGUF file")
     block, part, kind = match.groups()
-    return f"model.layers.{block}.{blocks[part]}.{kind}"
+    name = f"model.layers.{block}.{blocks[part]}.{kind}"
+    return name.replace("e_score_correction.bias", "e_score_correction_bias")  # Hugging Face's one-word name

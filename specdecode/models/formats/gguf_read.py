@@ -39,6 +39,12 @@ def field_value(reader, key: str, default=None):
     return values[0] if len(values) == 1 else values
 
 
+def stored_float(value) -> float:
+    """A float metadata value the file keeps in float32 (1.8 reads back as 1.7999999523), at float32's 7
+    significant digits: the value the converter was given."""
+    return float(f"{float(value):.7g}")
+
+
 _DEQUANTIZE_ROWS = 4096  # gguf-py's dequantizers make several full-size temporaries: bound them by chunks
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import save_tiny_model
+from gguf_moe_files import write_glm4moe_gguf
 from safetensors.torch import load_file, save_file
 from test_moe import IDS, close, logits, reference_logits
 
@@ -107,3 +108,26 @@ def test_the_mtp_layer_matches_the_published_forward_and_drafts_for_mtp(tmp_path
         assert result.token_ids == plain
         accepted, drafted = accepted + result.stats.accepted_tokens, drafted + result.stats.drafted_tokens
     assert 0 < accepted < drafted  # drafts both right and wrong: the check has teeth
+
+
+def test_a_glm4moe_gguf_with_its_mtp_layer_is_the_model_its_folder_is(tmp_path):
+    """Written as llama.cpp's converter writes GLM-4.5 (F16 matrices from a folder of float16-exact weights): the
+    same config and bitwise the same logits, the MTP layer's too."""
+    folder = save_tiny_model(tmp_path / "glm", "glm4_moe", scale=0.15, n_group=2, topk_group=1)
+    add_glm_mtp(folder)
+    for file in folder.glob("*.safetensors"):  # float16-exact, so the F16 file holds these very weights
+        save_file({name: value.half().float() for name, value in load_file(file).items()}, file)
+    write_glm4moe_gguf(tmp_path / "glm.gguf", folder)
+    models = [load_model(path, dtype="float32").model for path in (folder, tmp_path / "glm.gguf")]
+    theirs, ours = (model.config for model in models)
+    assert (ours.moe, ours.rotary_dim, ours.qkv_bias, ours.qk_norm, ours.mtp_layers) == (
+        theirs.moe, theirs.rotary_dim, theirs.qkv_bias, theirs.qk_norm, 1)
+    ids, count = IDS[:, :24], 24
+    results = []
+    with torch.inference_mode():
+        for model in models:
+            trunk = model(ids, torch.arange(count)[None], model.new_cache(count), final_hidden=True)
+            drafts, _ = model.mtp_forward(0, ids[:, 1:], trunk.final_hidden[:, :-1], torch.arange(count - 1)[None],
+                                          model.new_mtp_cache(count))
+            results.append((trunk.logits, drafts))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.mla import MLAConfig
 from specdecode.models.decoder.moe import MoEConfig
+from specdecode.models.formats.gguf_read import stored_float
 from specdecode.models.model_config import ModelConfig, eos_ids, rope_scaling, rope_theta
 
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "glm4_moe_lite": "glm4_moe_lite"}
@@ -118,9 +119,3 @@ def from_gguf(meta, tensors: dict, tokens: dict) -> ModelConfig:
         max_position_embeddings=int(meta("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors, bos_token_id=tokens.get("bos"),
         eos_token_ids=(int(eos),) if eos is not None else (), mtp_layers=mtp, mtp_declared=nextn, moe=moe, mla=mla)
-
-
-def stored_float(value) -> float:
-    """A float the file keeps in float32 (1.8 reads back as 1.7999999523), at float32's 7 significant digits: the
-    value its config.json said."""
-    return float(f"{float(value):.7g}")

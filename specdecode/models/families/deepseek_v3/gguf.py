@@ -22,15 +22,13 @@ LATENT_BLOCK_NAMES = MOE_BLOCK_NAMES | {
     # the two halves of kv_b_proj, under gguf-py's names for them (tensor_mapping.py: k_b_proj, v_b_proj)
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
-    "exp_probs_b": "mlp.gate.e_score_correction",
 }
 _KEY_HALF, _VALUE_HALF, _WHOLE = "self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight", "self_attn.kv_b_proj.weight"
 
 
 def latent_name(gguf_name: str) -> str:
-    """A deepseek2 tensor's name -> Hugging Face's (the router's selection bias is `exp_probs_b.bias` there)."""
-    return llama_style_name(gguf_name, LATENT_BLOCK_NAMES).replace("e_score_correction.bias",
-                                                                   "e_score_correction_bias")
+    """A deepseek2 tensor's name -> Hugging Face's."""
+    return llama_style_name(gguf_name, LATENT_BLOCK_NAMES)
 
 
 class LatentLayout(GGUFLayout):

@@ -2,15 +2,20 @@
 with a mixture of experts in every layer after the first dense ones (decoder/moe.py: sigmoid routing with a
 correction bias, one shared expert), and the MTP layer it ships after the trunk's (`model.layers.{L}`: enorm, hnorm,
 eh_proj, shared_head.norm and a sparse block), which `mtp` and `auto` draft with. Its tensors are named as
-Qwen3-MoE's and DeepSeek's MTP modules are (formats/layer_names.py). Batch-invariant on the shared fixed-order
+Qwen3-MoE's and DeepSeek's MTP modules are (formats/layer_names.py); read from Hugging Face checkpoints and
+llama.cpp's glm4moe GGUF files (its converter keeps Hugging Face's row order: names alone differ). Batch-invariant on the shared fixed-order
 float layers and w4a8 matmuls (kernels/float_decoder.py), which keep the experts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specdecode.models.decoder.moe import MoETransformer
-from specdecode.models.families.base import ModelFamily
+from specdecode.models.families.base import GGUFMeta, ModelFamily
 from specdecode.models.families.glm4_moe import config
 from specdecode.models.families.registry import register_family
+from specdecode.models.formats.gguf_layout import GGUFLayout
+from specdecode.models.formats.gguf_names import MOE_BLOCK_NAMES, llama_style_name
 from specdecode.models.formats.layer_names import (
     mtp_shared_copies,
     sparse_mtp_names,
@@ -24,10 +29,20 @@ from specdecode.models.model_config import ModelConfig
 class Glm4MoeFamily(ModelFamily):
     name = "glm4_moe"
     model_types = config.MODEL_TYPES
-    not_supported = {"glm4moe": "GLM-4.5's GGUF files: its Hugging Face checkpoints load (glm4_moe)"}
+    gguf_architectures = {config.GGUF_ARCHITECTURE: "glm4_moe"}
 
     def config_from_hf(self, hf: dict, model_type: str) -> ModelConfig:
         return config.from_hf(hf, model_type)
+
+    def config_from_gguf(self, meta: GGUFMeta, architecture: str, tensors: dict, tokens: dict, path: Path,
+                         companion: bool = False) -> ModelConfig:
+        return config.from_gguf(meta, tensors, tokens)
+
+    def gguf_layout(self, model_config: ModelConfig, architecture: str) -> GGUFLayout:
+        return GGUFLayout(lambda name: llama_style_name(name, MOE_BLOCK_NAMES))
+
+    def tokenizer_from_gguf_alone(self) -> bool:
+        return True  # transformers reads no glm4moe model config from a GGUF file
 
     def config_to_hf(self, model_config: ModelConfig) -> dict:
         return config.to_hf(model_config)

@@ -8,9 +8,11 @@ transformers reads it."""
 from __future__ import annotations
 
 from specdecode.models.decoder.moe import MoEConfig, dense_layers
+from specdecode.models.formats.gguf_read import stored_float
 from specdecode.models.model_config import ModelConfig, eos_ids, rope_scaling, rope_theta
 
 MODEL_TYPES = {"glm4_moe": "glm4_moe"}
+GGUF_ARCHITECTURE = "glm4moe"
 
 
 def from_hf(hf: dict, model_type: str) -> ModelConfig:
@@ -38,6 +40,38 @@ def from_hf(hf: dict, model_type: str) -> ModelConfig:
         qkv_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids(hf),
         mtp_layers=mtp, mtp_declared=mtp, mtp_layout="deepseek", rotary_dim=int(head_dim * partial) // 2 * 2, moe=moe)
+
+
+def from_gguf(meta, tensors: dict, tokens: dict) -> ModelConfig:
+    """From a glm4moe file's metadata (`meta(key, default)`, keys as llama.cpp's conversion/glm.py writes them) and
+    tensor names: the MTP layers counted in block_count, rope over `rope.dimension_count` dims of each head (the
+    partial rotary), biases and q/k norms where the file holds them."""
+    nextn = int(meta("nextn_predict_layers", 0))
+    layers = int(meta("block_count")) - nextn
+    heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    expert_size = int(meta("expert_feed_forward_length"))
+    moe = MoEConfig(num_experts=int(meta("expert_count")), experts_per_token=int(meta("expert_used_count")),
+                    expert_size=expert_size,
+                    dense_layers=dense_layers(layers, first_dense=int(meta("leading_dense_block_count", 0))),
+                    scoring="sigmoid", score_bias=True, groups=int(meta("expert_group_count", 1)),
+                    groups_kept=int(meta("expert_group_used_count", 1)),
+                    renormalize=bool(meta("expert_weights_norm", False)),
+                    scaling=stored_float(meta("expert_weights_scale", 1.0)), float32_router=True,
+                    shared_size=expert_size * int(meta("expert_shared_count", 1)))
+    eos = tokens.get("eos")
+    return ModelConfig(
+        architecture="glm4_moe", vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, bos_token_id=tokens.get("bos"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        mtp_layers=nextn if f"blk.{layers}.nextn.eh_proj.weight" in tensors else 0, mtp_declared=nextn,
+        mtp_layout="deepseek", rotary_dim=int(meta("rope.dimension_count", head_dim)), moe=moe)
 
 
 def to_hf(config: ModelConfig) -> dict:
