@@ -205,6 +205,12 @@ _QWEN35_BLOCK = {
     "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
     "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight"}
+# Qwen 3.5 MoE's (qwen35moe): the router, the shared expert and its gate (stored [H], squeezed from [1, H]); the
+# experts go stacked into ffn_{gate,up,down}_exps
+_QWEN35_MOE = {"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+               "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+               "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+               "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
 _QWEN35_NEXTN = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
                  "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
 
@@ -244,20 +250,29 @@ def qwen35_stored(name: str, weight: np.ndarray, config: dict) -> np.ndarray:
 
 
 def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F32, part: str = "all") -> None:
-    """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35"), float32, or its
+    """`hf_folder`'s Qwen 3.5 model as llama.cpp's converter writes it (architecture "qwen35", or "qwen35moe" for a
+    mixture of experts, its experts stacked per layer and projection), float32, or its
     matrices in `matrices` (F16 for a file llama-quantize takes); mtp=False (or part "trunk") as its --no-mtp
     writes (no nextn key, no MTP block); part "mtp" as its --mtp writes a companion (block_count L+n, the nextn
     key, the MTP blocks with the embedding, final norm and head, no trunk block)."""
     config = json.loads((hf_folder / "config.json").read_text())
     trunk = config["num_hidden_layers"]
     nextn = config.get("mtp_num_hidden_layers", 0) if mtp and part != "trunk" else 0
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    moe = "num_experts" in config  # Qwen 3.5 MoE: architecture qwen35moe
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
+    if moe:
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(trunk + nextn)
     if nextn:
         writer.add_nextn_predict_layers(nextn)
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if not moe:
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])
@@ -277,11 +292,12 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
     interval = config.get("full_attention_interval", 4)
     kinds = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                           for i in range(trunk)]
-    writer.add_uint32("qwen35.full_attention_interval", interval)
+    writer.add_uint32(f"{arch}.full_attention_interval", interval)
     # The test configs' layer kinds are not every-4th: the file names them, as newer conversions do.
-    writer.add_array("qwen35.attention.recurrent_layers",
+    writer.add_array(f"{arch}.attention.recurrent_layers",
                      [kind == "linear_attention" for kind in kinds] + [False] * nextn)
     add_vocabulary(writer, config["vocab_size"], "qwen35")
+    experts: dict[str, list[np.ndarray]] = {}  # a stacked tensor's name -> its experts' weights, in order
     for name, weight in hf_weights(hf_folder).items():
         if name in _GLOBAL:
             gguf_name = _GLOBAL[name][0]
@@ -297,9 +313,20 @@ def write_qwen35_gguf(path: Path, hf_folder: Path, mtp: bool = True, matrices=F3
                 block = str(trunk + int(block))
             elif part == "mtp":
                 continue  # a companion holds no trunk block
-            gguf_name = f"blk.{block}.{_QWEN35_BLOCK[rest]}"
+            if rest.startswith("mlp.experts."):  # mlp.experts.{e}.{part}.weight, sorted by e below
+                _, _, expert, projection, _ = rest.split(".")
+                stacked = f"blk.{block}.ffn_{projection.removesuffix('_proj')}_exps.weight"
+                experts.setdefault(stacked, []).append((int(expert), weight))
+                continue
+            gguf_name = f"blk.{block}.{(_QWEN35_BLOCK | _QWEN35_MOE)[rest]}"
         data = qwen35_stored(name, weight.astype(np.float32), config)
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data[0]  # [1, H] -> [H], as the converter squeezes it
         add_float(writer, gguf_name, data, matrices if not gguf_name.endswith("conv1d.weight") else F32)
+    for gguf_name, weights in experts.items():  # [E, rows, columns]
+        stacked = np.stack([weight for _, weight in sorted(weights, key=lambda item: item[0])]).astype(np.float32)
+        writer.add_tensor(gguf_name, stacked.astype(np.float16) if matrices == F16 else stacked,
+                          raw_dtype=matrices)
     finish(writer)
 
 

@@ -81,3 +81,23 @@ def test_llama_cpps_split_qwen35_files_draft_as_one_file_does(folder, tmp_path):
     assert runs[0] == runs[1] and runs[0][1] > 0
     with pytest.raises(SpecDecodeError, match="holds only MTP layers"):
         load_model(split.with_name("mtp-m.gguf"), dtype="float32", quant="none")
+
+
+def test_a_qwen35moe_gguf_with_its_mtp_module_is_the_model_its_folder_is(tmp_path):
+    """Qwen 3.5 MoE as llama.cpp's converter writes it (qwen35moe: experts stacked, the shared expert's gate
+    squeezed to [H], norms as 1 + w, the MTP block as blk.{L} with its sparse block)."""
+    from test_moe import add_qwen3_5_moe_mtp
+
+    folder = save_tiny_model(tmp_path / "hf", "qwen3_5_moe", scale=0.15)
+    add_qwen3_5_moe_mtp(folder, follow=1.0)
+    path = tmp_path / "m.gguf"
+    write_qwen35_gguf(path, folder)
+    ours = load_model(path, dtype="float32", quant="none").model
+    expected = load_model(folder, dtype="float32").model
+    assert ours.config.moe == expected.config.moe and ours.config.mtp_layers == 1
+    # 1 + w rounds in float32 on the way in and out (one ulp on the norms), which the experts' sums carry further
+    # than the dense model's: within 1e-5 of the largest logit
+    ours_logits, expected_logits = logits(ours, IDS), logits(expected, IDS)
+    assert (ours_logits - expected_logits).abs().max() <= 1e-5 * expected_logits.abs().max()
+    for name, value in expected.mtp.state_dict().items():
+        assert torch.allclose(ours.mtp.state_dict()[name], value, atol=1e-6), name

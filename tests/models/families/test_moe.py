@@ -225,3 +225,68 @@ def test_memory_is_said_before_loading_and_a_model_that_cannot_fit_is_refused(tm
     monkeypatch.setattr(memory_needed, "available_bytes", lambda: 4 * total - 1)  # float32: 4 bytes a weight
     with pytest.raises(SpecDecodeError, match="needs about .* GiB .* this machine has"):
         load_model(folder, dtype="float32")
+
+
+def add_qwen3_5_moe_mtp(folder, follow: float = 0.0) -> dict[str, torch.Tensor]:
+    """Qwen 3.5 MoE's MTP module as its checkpoints ship it (top-level mtp.*, its block a gated full-attention layer
+    with experts and a gated shared expert): the trunk's full-attention layer copied (experts as transformers
+    saved them, fused), its matrices shrunk, random zero-centred norms and fc (plus follow * identity on the
+    hidden half) -> the tensors written to model-mtp.safetensors."""
+    config = json.loads((folder / "config.json").read_text())
+    hidden, source = config["hidden_size"], f"model.layers.{config['layer_types'].index('full_attention')}."
+    generator = torch.Generator().manual_seed(4)
+    tensors = {f"mtp.layers.0.{name.removeprefix(source)}": value * (0.5 if value.dim() > 1 else 1.0)
+               for name, value in load_file(folder / "model.safetensors").items() if name.startswith(source)}
+    tensors |= {f"mtp.{norm}.weight": 0.2 * torch.randn(hidden, generator=generator)  # zero-centred
+                for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.1  # [H, 2H]
+    tensors["mtp.fc.weight"][:, hidden:] += follow * torch.eye(hidden)
+    save_file({name: value.contiguous() for name, value in tensors.items()}, folder / "model-mtp.safetensors")
+    (folder / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}))
+    return tensors
+
+
+def test_qwen3_5_moe_mtp_module_matches_transformers_mtp_layer_and_drafts_for_mtp(tmp_path):
+    """Its block sparse (router, experts, gated shared expert), against transformers' MtpLayer over
+    Qwen3_5MoeDecoderLayer; then `mtp` drafting with it gives plain decoding's tokens."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+
+    from test_mla import fused_experts
+
+    from specdecode import Engine, SamplingParams, SpecConfig
+
+    folder = save_tiny_model(tmp_path / "m", "qwen3_5_moe", scale=0.15)
+    stored = add_qwen3_5_moe_mtp(folder, follow=1.0)
+    loaded = load_model(folder, dtype="float32")
+    ours = loaded.model
+    assert ours.config.mtp_layers == 1 and ours.mtp[0].block.mlp.router is not None
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                     experts_implementation="eager").eval()
+    mtp_config = reference.config.__class__(**{**reference.config.to_dict(), "layer_types": ["full_attention"],
+                                               "num_hidden_layers": 1})
+    layer = MtpLayer(mtp_config, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, 0).eval()
+    names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "post_norm": "norm"}
+    state = {f"{ours_}.weight": stored[f"mtp.{theirs}.weight"] for ours_, theirs in names.items()}
+    block = fused_experts({k.removeprefix("mtp.layers.0."): v for k, v in stored.items() if "layers.0." in k})
+    layer.load_state_dict(state | {f"mtp_block.{k}": v for k, v in block.items()})
+    ids, positions = IDS[:, :12], torch.arange(11).unsqueeze(0)  # [1, 12], [1, 11]
+    with torch.inference_mode():
+        out = ours(ids[:, :-1], positions, ours.new_cache(12), final_hidden=True)
+        drafted, _ = ours.mtp_forward(0, ids[:, 1:], out.final_hidden, positions, ours.new_mtp_cache(12))
+        trunk = reference.model(ids[:, :-1], output_hidden_states=True).hidden_states[-1]  # after the final norm
+        embeds = reference.model.embed_tokens(ids[:, 1:])
+        causal = torch.full((11, 11), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] additive
+        hidden = layer(embeds, trunk, reference.model.rotary_emb(embeds, positions), causal, positions, None)
+        expected = reference.lm_head(hidden)  # [1, 11, V]
+    assert close(drafted, expected)
+    engine = Engine(loaded)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    accepted = drafted_tokens = 0
+    for prompt in ("hello hello hello", "abcabcabc abcabc"):
+        plain = engine.complete(prompt, greedy, SpecConfig("none")).token_ids
+        result = engine.complete(prompt, greedy, SpecConfig("mtp", num_draft_tokens=2, guard=False))
+        assert result.token_ids == plain
+        accepted, drafted_tokens = accepted + result.stats.accepted_tokens, drafted_tokens + result.stats.drafted_tokens
+    assert 0 < accepted < drafted_tokens  # drafts both right and wrong: the check has teeth

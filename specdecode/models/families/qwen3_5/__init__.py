@@ -2,7 +2,7 @@
 hybrid trunk of Gated DeltaNet layers (recurrent, gated_deltanet.py) and gated full-attention layers (layers.py),
 behind the Llama family's Transformer interface (trunk.py), its cache KV rows
 plus per-row recurrent states (cache.py), with one MTP module; read from Hugging Face checkpoints (text-only and
-multimodal) and, for the dense models, llama.cpp's qwen35 GGUF files (gguf.py)."""
+multimodal) and llama.cpp's qwen35 and qwen35moe GGUF files (gguf.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,20 @@ from pathlib import Path
 
 from specdecode.models.families.base import GGUFMeta, ModelFamily
 from specdecode.models.families.qwen3_5 import config, tensors
-from specdecode.models.families.qwen3_5.gguf import ARCHITECTURE, Qwen35Layout, qwen35_config
+from specdecode.models.families.qwen3_5.gguf import ARCHITECTURE, MOE_ARCHITECTURE, Qwen35Layout, qwen35_config
 from specdecode.models.families.qwen3_5.kernels import fix_hybrid_layers, hybrid_batch_invariant
 from specdecode.models.families.qwen3_5.trunk import HybridTransformer
 from specdecode.models.families.registry import register_family
 from specdecode.models.heap import keep_freed_heap
 from specdecode.models.model_config import ModelConfig
 
-_MOE_GGUF = "Qwen 3.5 MoE's GGUF files: its Hugging Face checkpoints load (qwen3_5_moe)"
 
 
 class Qwen35Family(ModelFamily):
     name = "qwen3_5"
     model_types = config.MODEL_TYPES
-    gguf_architectures = {ARCHITECTURE: "qwen3_5"}
-    not_supported = {"qwen35moe": _MOE_GGUF,
-                     "qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
+    gguf_architectures = {ARCHITECTURE: "qwen3_5", MOE_ARCHITECTURE: "qwen3_5_moe"}
+    not_supported = {"qwen3_next": "Qwen3-Next: a mixture-of-experts hybrid; its experts are not implemented"}
     cache_kind = "kv+recurrent"
 
     def config_from_hf(self, hf: dict, model_type: str) -> ModelConfig:
@@ -36,7 +34,7 @@ class Qwen35Family(ModelFamily):
 
     def config_from_gguf(self, meta: GGUFMeta, architecture: str, tensors_: dict, tokens: dict, path: Path,
                          companion: bool = False) -> ModelConfig:
-        return qwen35_config(meta, tensors_, path, companion)
+        return qwen35_config(meta, tensors_, path, companion, architecture)
 
     def sources(self, model_config: ModelConfig) -> dict[str, list[str]]:
         return tensors.hybrid_sources(model_config)

@@ -1,4 +1,5 @@
-"""llama.cpp's GGUF layout for Qwen 3.5 / 3.6 dense (`general.architecture` "qwen35"), read back into Hugging Face
+"""llama.cpp's GGUF layout for Qwen 3.5 / 3.6, dense (`general.architecture` "qwen35") and MoE ("qwen35moe": the
+router, experts stacked per layer and projection, the shared expert and its gate), read back into Hugging Face
 names and values, so the rest of the loader (conversion, quantization, hybrid.py) sees what a folder holds.
 
 What llama.cpp's converter (conversion/qwen.py) does, undone here:
@@ -24,10 +25,11 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.moe import MoEConfig
 from specdecode.models.formats.gguf_layout import GGUFLayout
 from specdecode.models.model_config import ModelConfig
 
-ARCHITECTURE = "qwen35"
+ARCHITECTURE, MOE_ARCHITECTURE = "qwen35", "qwen35moe"
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -39,15 +41,27 @@ _BLOCK = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.wei
           "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
           "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
           "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log", "ssm_norm.weight": "linear_attn.norm.weight",
-          "ssm_out.weight": "linear_attn.out_proj.weight"}
+          "ssm_out.weight": "linear_attn.out_proj.weight",
+          # qwen35moe's: the router, the experts stacked (read one per expert, weight_source.py), the shared expert
+          # and its gate (stored [H], Hugging Face's [1, H])
+          "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+          "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+          "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+          "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+          "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+          "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+          "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight"}
 _NEXTN = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
           "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head_norm.weight": "mtp.norm.weight"}
 _PATTERN = re.compile(r"blk\.(\d+)\.(nextn\.)?(.+)")
 
 
-def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False) -> ModelConfig:
-    """The config from the file's `qwen35.*` metadata (`meta(key, default)`) and tensor names; `companion`: the
-    file may hold the MTP layers alone (llama.cpp's --mtp companion, read by formats/mtp_companion.py)."""
+def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False, architecture: str = ARCHITECTURE,
+                  ) -> ModelConfig:
+    """The config from the file's `qwen35.*` (or `qwen35moe.*`) metadata (`meta(key, default)`) and tensor names;
+    `companion`: the file may hold the MTP layers alone (llama.cpp's --mtp companion, read by
+    formats/mtp_companion.py). A qwen35moe file's experts are always renormalised (llama.cpp's graph: norm_w,
+    softmax), with the gated shared expert beside them."""
     nextn = int(meta("nextn_predict_layers", 0))
     layers = int(meta("block_count")) - nextn
     heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
@@ -62,9 +76,21 @@ def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False) -> M
     if "blk.0.attn_norm.weight" not in tensors and not companion:
         raise SpecDecodeError(f"{path} holds only MTP layers (llama.cpp's --mtp companion): load the model's own "
                               "file, and this one beside it (or with --draft-model) for --spec-type mtp")
+    moe = None
+    if architecture == MOE_ARCHITECTURE:
+        if "blk.0.ffn_gate_up_exps.weight" in tensors:
+            raise SpecDecodeError(f"{path} stores its experts' gate and up projections fused (the converter's "
+                                  "--fuse-gate-up-exps), which is not read: convert it without that flag")
+        moe = MoEConfig(num_experts=int(meta("expert_count")), experts_per_token=int(meta("expert_used_count")),
+                        expert_size=int(meta("expert_feed_forward_length")), renormalize=True,
+                        shared_size=int(meta("expert_shared_feed_forward_length")), shared_gate=True,
+                        shared_name="shared_expert")
     return ModelConfig(
-        architecture="qwen3_5", vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")), num_layers=layers, num_heads=heads,
+        architecture="qwen3_5_moe" if moe else "qwen3_5", vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        # a MoE model has no dense MLP: its width is unused, the shared expert's stands in (as config.py)
+        intermediate_size=int(meta("feed_forward_length", moe.shared_size if moe else None)),
+        num_layers=layers, num_heads=heads,
         num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)), max_position_embeddings=int(meta("context_length", 4096)),
@@ -74,7 +100,7 @@ def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False) -> M
         linear_num_value_heads=value_heads, linear_key_head_dim=int(meta("ssm.state_size")),
         linear_value_head_dim=int(meta("ssm.inner_size")) // value_heads,
         linear_conv_kernel=int(meta("ssm.conv_kernel", 4)), rotary_dim=int(meta("rope.dimension_count", head_dim)),
-        attn_output_gate=True, zero_centred_norms=True)
+        attn_output_gate=True, zero_centred_norms=True, moe=moe)
 
 
 def qwen35_hf_name(gguf_name: str, trunk_layers: int) -> str:
@@ -88,7 +114,7 @@ def qwen35_hf_name(gguf_name: str, trunk_layers: int) -> str:
         if not nextn and part in _BLOCK:
             return f"mtp.layers.{block - trunk_layers}.{_BLOCK[part]}" if block >= trunk_layers \
                 else f"model.layers.{block}.{_BLOCK[part]}"
-    raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in a {ARCHITECTURE} GGUF file")
+    raise SpecDecodeError(f"unsupported tensor {gguf_name!r} in a {ARCHITECTURE} or {MOE_ARCHITECTURE} GGUF file")
 
 
 def _grouped_order(config: ModelConfig) -> torch.Tensor | None:
@@ -136,17 +162,25 @@ def to_hf_values(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.
         return torch.log(-tensor)
     if name.endswith("conv1d.weight"):
         return tensor.unsqueeze(1)  # [C, K] -> [C, 1, K]
+    if name.endswith(_SHARED_GATE):
+        return tensor.reshape(1, -1)  # [H] -> [1, H]
     return tensor
 
 
 def transforms(name: str, config: ModelConfig) -> bool:
     """Whether the file's tensor differs from Hugging Face's in values or order (read whole, then converted)."""
     return (value_rows(name, config) is not None or is_reordered_by_columns(name, config)
-            or name.endswith(("norm.weight", "A_log", "conv1d.weight")))
+            or name.endswith(("norm.weight", "A_log", "conv1d.weight", _SHARED_GATE)))
+
+
+_SHARED_GATE = "shared_expert_gate.weight"  # [1, H] in Hugging Face's checkpoints, [H] in the file
 
 
 def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A stored tensor's shape as Hugging Face's (the convolution's squeezed dimension back)."""
+    """A stored tensor's shape as Hugging Face's (the convolution's and the shared gate's squeezed dimension
+    back)."""
+    if name.endswith(_SHARED_GATE):
+        return (1, *shape)
     return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else shape
 
 
