@@ -1,0 +1,94 @@
+"""The MTP drafter against transformers' own: `generate(use_mtp=True)` (MTPCandidateGenerator over MtpModel) on
+tiny random GLM-4.5 and DeepSeek-V3 models, greedy, one draft a step (a fixed length: transformers drafts one token
+per MTP layer). Every step's draft, at every length of the sequence, must be the token transformers' candidate
+generator proposed there, and both outputs plain decoding's. (transformers 5.25 runs use_mtp for the configs that
+name `num_mtp_layers`: GLM-4.5's and DeepSeek-V3's, not GLM-4.7-Flash's or Qwen 3.5's; those MTP modules are
+checked against the published forward and transformers' MtpLayer in tests/models/families.)
+
+transformers finds a checkpoint's MTP weights by the layer numbers the released models use
+(`_keys_to_ignore_on_load_unexpected`: GLM-4.5-Air's layer 46, DeepSeek-V3's 61), in the checkpoint's own file: so
+the tiny models here are that deep, their MTP tensors in model.safetensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from safetensors.torch import load_file, save_file
+from test_glm_moe import add_glm_mtp
+from test_mla import add_mtp_module, mla_folder
+
+from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.drafters.mtp import MTPDrafter
+from specdecode.models.loader import load_model
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8]
+NEW_TOKENS = 16
+
+
+def glm4_moe(folder):
+    add_glm_mtp(save_tiny_model(folder, "glm4_moe", scale=0.15, num_hidden_layers=46))
+
+
+def deepseek_v3(folder):
+    add_mtp_module(mla_folder(folder, "deepseek_v3", num_hidden_layers=62), follow=1.0)
+
+
+def one_file(folder) -> None:
+    """The MTP tensors moved into model.safetensors, where transformers' MtpModel looks for them."""
+    extra = folder / "model-mtp.safetensors"
+    if extra.exists():
+        weights = load_file(folder / "model.safetensors") | load_file(extra)
+        extra.unlink()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def transformers_candidates(folder, monkeypatch) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """transformers' greedy output with use_mtp=True, and each step's (sequence length, candidates)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import candidate_generator
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                 experts_implementation="eager").eval()
+    seen, propose = [], candidate_generator.MTPCandidateGenerator.get_candidates
+
+    def recorded(self, input_ids, *args, **kwargs):
+        candidates, logits = propose(self, input_ids, *args, **kwargs)
+        if candidates.shape[1] > input_ids.shape[1]:  # the first call only lets the main model go first
+            seen.append((input_ids.shape[1], candidates[0, input_ids.shape[1]:].tolist()))
+        return candidates, logits
+
+    monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+    with torch.no_grad():
+        output = model.generate(torch.tensor([PROMPT]), use_mtp=True, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return output[0, len(PROMPT):].tolist(), seen
+
+
+def our_drafts(folder, monkeypatch) -> tuple[list[int], list[int], list[tuple[int, list[int]]]]:
+    """Our greedy output with `mtp` drafting one token a step, plain decoding's, and each step's drafts."""
+    engine = Engine(load_model(folder, dtype="float32"))
+    seen, propose = [], MTPDrafter.propose
+
+    def recorded(self, seq, budget):
+        proposal = propose(self, seq, budget)
+        seen.append((len(seq.tokens), proposal.tokens.tolist()))
+        return proposal
+
+    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = engine.complete(PROMPT, greedy, SpecConfig("none")).token_ids
+    drafted = engine.complete(PROMPT, greedy, SpecConfig("mtp", num_draft_tokens=1, adaptive=False, guard=False)).token_ids
+    return drafted, plain, seen
+
+
+@pytest.mark.parametrize("family", [glm4_moe, deepseek_v3], ids=lambda f: f.__name__)
+def test_each_draft_is_the_candidate_transformers_mtp_generator_proposes(tmp_path, monkeypatch, family):
+    folder = tmp_path / family.__name__
+    family(folder)
+    one_file(folder)
+    theirs, their_steps = transformers_candidates(folder, monkeypatch)
+    ours, plain, our_steps = our_drafts(folder, monkeypatch)
+    assert ours == plain == theirs
+    # transformers drafts until max_new_tokens is reached; we stop drafting one token short of it (nothing to gain)
+    compared = [step for step in their_steps if step[0] < len(PROMPT) + NEW_TOKENS - 1]
+    assert len(compared) >= NEW_TOKENS // 2 and our_steps[: len(compared)] == compared
