@@ -38,7 +38,8 @@ def write_deepseek2_gguf(path: Path, hf_folder: Path, split_kv_b: bool = True) -
     whole (attn_kv_b), as files converted before llama.cpp split it do."""
     config = json.loads((hf_folder / "config.json").read_text())
     nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-    heads, latent, nextn = config["num_attention_heads"], config["kv_lora_rank"], config.get("num_nextn_predict_layers", 0)
+    heads, latent = config["num_attention_heads"], config["kv_lora_rank"]
+    nextn = config.get("num_nextn_predict_layers", 0)
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])

@@ -1,7 +1,7 @@
 """Mixture-of-experts GGUF files for tests, written as llama.cpp's converter writes them (conversion/qwen.py's
-Qwen2MoeModel for qwen3moe, conversion/glm.py's Glm4MoeModel for glm4moe): the per-expert tensors of a Hugging Face folder stacked into one 3-D tensor per
-layer and projection (`ffn_{gate,up,down}_exps`, torch [E, rows, columns], ggml {columns, rows, E}), the router as
-`ffn_gate_inp`, everything else under the Llama-style names."""
+Qwen2MoeModel for qwen3moe, conversion/glm.py's Glm4MoeModel for glm4moe): the per-expert tensors of a Hugging Face
+folder stacked into one 3-D tensor per layer and projection (`ffn_{gate,up,down}_exps`, torch [E, rows, columns],
+ggml {columns, rows, E}), the router as `ffn_gate_inp`, everything else under the Llama-style names."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ GLM-4.7-Flash the test adds it, and the MTP layer's kind, to config.json, which 
 checkpoint's MTP weights by the layer numbers the released models use (`_keys_to_ignore_on_load_unexpected`:
 GLM-4.5-Air's layer 46, DeepSeek-V3's 61, GLM-4.7-Flash's 47), in the checkpoint's own file: so the tiny models
 here are that deep, their MTP tensors in model.safetensors. Qwen 3.5 MoE is left out: on a tiny model with the
-same config keys added, transformers' own use_mtp output left its plain greedy output at the fourth token (a
-0.54 logit margin between the top two, no near-tie), so it is no oracle there; its MTP module is checked against transformers'
-MtpLayer instead (tests/models/families/test_moe.py)."""
+same config keys added, transformers' own use_mtp output left its plain greedy output at the fourth token (a 0.54
+logit margin between the top two, no near-tie), so it is no oracle there; its MTP module is checked against
+transformers' MtpLayer instead (tests/models/families/test_moe.py)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def our_drafts(folder, monkeypatch) -> tuple[list[int], list[int], list[tuple[in
     monkeypatch.setattr(MTPDrafter, "propose", recorded)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     plain = engine.complete(PROMPT, greedy, SpecConfig("none")).token_ids
-    drafted = engine.complete(PROMPT, greedy, SpecConfig("mtp", num_draft_tokens=1, adaptive=False, guard=False)).token_ids
+    one_a_step = SpecConfig("mtp", num_draft_tokens=1, adaptive=False, guard=False)
+    drafted = engine.complete(PROMPT, greedy, one_a_step).token_ids
     return drafted, plain, seen
 
 

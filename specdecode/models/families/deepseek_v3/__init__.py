@@ -1,7 +1,8 @@
 """DeepSeek-V3 (V3, V3.1, R1, Kimi K2) and GLM-4.7-Flash (transformers' glm4_moe_lite): multi-head latent
 attention (decoder/mla.py) over the shared mixture of experts (decoder/moe.py) with DeepSeek's routing, its cache
 each token's latent and rotary key (decoder/latent_cache.py), its MTP modules in DeepSeek's layout; read from
-Hugging Face checkpoints and llama.cpp's deepseek2 GGUF files (gguf.py); batch-invariant with its attention in the fixed-order kernel (kernels.py)."""
+Hugging Face checkpoints and llama.cpp's deepseek2 GGUF files (gguf.py); batch-invariant with its attention in the
+fixed-order kernel (kernels.py)."""
 
 from __future__ import annotations
 

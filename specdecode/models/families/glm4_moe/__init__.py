@@ -3,8 +3,8 @@ with a mixture of experts in every layer after the first dense ones (decoder/moe
 correction bias, one shared expert), and the MTP layer it ships after the trunk's (`model.layers.{L}`: enorm, hnorm,
 eh_proj, shared_head.norm and a sparse block), which `mtp` and `auto` draft with. Its tensors are named as
 Qwen3-MoE's and DeepSeek's MTP modules are (formats/layer_names.py); read from Hugging Face checkpoints and
-llama.cpp's glm4moe GGUF files (its converter keeps Hugging Face's row order: names alone differ). Batch-invariant on the shared fixed-order
-float layers and w4a8 matmuls (kernels/float_decoder.py), which keep the experts."""
+llama.cpp's glm4moe GGUF files (its converter keeps Hugging Face's row order: names alone differ). Batch-invariant
+on the shared fixed-order float layers and w4a8 matmuls (kernels/float_decoder.py), which keep the experts."""
 
 from __future__ import annotations
 

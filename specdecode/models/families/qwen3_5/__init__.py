@@ -18,7 +18,6 @@ from specdecode.models.heap import keep_freed_heap
 from specdecode.models.model_config import ModelConfig
 
 
-
 class Qwen35Family(ModelFamily):
     name = "qwen3_5"
     model_types = config.MODEL_TYPES
