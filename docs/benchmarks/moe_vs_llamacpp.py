@@ -257,9 +257,9 @@ def main() -> int:
              *speed_table(runs, args.tokens, args.prompt), "",
              "| verify rows | ms (ours) | x one row | distinct experts a sparse layer |", "|---:|---:|---:|---:|",
              *[f"| {rows} | {s * 1000:.1f} | {s / one_row:.2f} | {e:.1f} |" for rows, (s, e) in costs.items()], "",
-             f"ours loaded as {loaded.quant}; greedy speculation (the target as its own draft, chains of 3) against "
+             (f"ours loaded as {loaded.quant}; greedy speculation (the target as its own draft, chains of 3) against "
              f"plain decoding, 32 tokens: {'identical' if identity['identical'] else 'DIFFERS'} "
-             f"({identity['accepted']}/{identity['drafted']} drafts accepted)"]
+             f"({identity['accepted']}/{identity['drafted']} drafts accepted)")]
     write_report(args.out, f"moe-vs-llamacpp-{args.shape}", result, lines)
     return 0
 

@@ -249,11 +249,10 @@ def add_qwen3_5_moe_mtp(folder, follow: float = 0.0) -> dict[str, torch.Tensor]:
 def test_qwen3_5_moe_mtp_module_matches_transformers_mtp_layer_and_drafts_for_mtp(tmp_path):
     """Its block sparse (router, experts, gated shared expert), against transformers' MtpLayer over
     Qwen3_5MoeDecoderLayer; then `mtp` drafting with it gives plain decoding's tokens."""
+    from test_mla import fused_experts
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpLayer
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
-
-    from test_mla import fused_experts
 
     from specdecode import Engine, SamplingParams, SpecConfig
 
