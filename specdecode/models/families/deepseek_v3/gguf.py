@@ -3,7 +3,7 @@ deepseek2 too): the Llama-style and mixture-of-experts names (formats/gguf_names
 kv_b_proj, which the converter splits per head into `attn_k_b` (ggml {nope, C, nh}: each head's key half,
 transposed) and `attn_v_b` (ggml {C, v, nh}), joined back here. Files from before that split hold `attn_kv_b`
 whole and read as it is. Sources: llama.cpp conversion/deepseek.py (DeepseekV2Model.modify_tensors) and
-gguf-py's tensor names (constants.py MODEL_TENSORS[DEEPSEEK2]); docs/models.md gathers them."""
+gguf-py's tensor names (constants.py MODEL_TENSORS[DEEPSEEK2]); the README gathers them."""
 
 from __future__ import annotations
 
