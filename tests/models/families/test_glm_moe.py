@@ -16,6 +16,7 @@ from test_moe import IDS, close, logits, reference_logits
 
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.models.loader import load_model
+from specdecode.models.survey import survey
 
 CONFIGS = {
     "bias-qk-norm-dense-first": {},
@@ -118,6 +119,8 @@ def test_a_glm4moe_gguf_with_its_mtp_layer_is_the_model_its_folder_is(tmp_path):
     for file in folder.glob("*.safetensors"):  # float16-exact, so the F16 file holds these very weights
         save_file({name: value.half().float() for name, value in load_file(file).items()}, file)
     write_glm4moe_gguf(tmp_path / "glm.gguf", folder)
+    facts = survey(tmp_path / "glm.gguf")  # what `inspect` says
+    assert facts.runs and (facts.mtp_declared, facts.mtp_present) == (1, 1)
     models = [load_model(path, dtype="float32").model for path in (folder, tmp_path / "glm.gguf")]
     theirs, ours = (model.config for model in models)
     assert (ours.moe, ours.rotary_dim, ours.qkv_bias, ours.qk_norm, ours.mtp_layers) == (

@@ -13,6 +13,7 @@ from test_mla import IDS, add_mtp_module, logits, mla_folder
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loader import load_model
+from specdecode.models.survey import survey
 
 
 @pytest.mark.parametrize(("arch", "split"), [("deepseek_v3", True), ("deepseek_v3", False), ("glm4_moe_lite", True)])
@@ -33,6 +34,8 @@ def test_glm_4_7_flash_file_brings_its_mtp_module(tmp_path):
                         mlp_layer_types=["dense"] + ["sparse"] * 3)
     add_mtp_module(folder)
     write_deepseek2_gguf(tmp_path / "m.gguf", folder)
+    facts = survey(tmp_path / "m.gguf")  # what `inspect` says
+    assert facts.runs and (facts.mtp_declared, facts.mtp_present) == (1, 1)
     models = [load_model(path, dtype="float32").model for path in (folder, tmp_path / "m.gguf")]
     tokens, positions = IDS[:, :20], torch.arange(19).unsqueeze(0)  # [1, 20], [1, 19]
     drafts = []
