@@ -254,8 +254,6 @@ def test_qwen3_5_moe_mtp_module_matches_transformers_mtp_layer_and_drafts_for_mt
     from transformers.modeling_layers import MtpLayer
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
 
-    from specdecode import Engine, SamplingParams, SpecConfig
-
     folder = save_tiny_model(tmp_path / "m", "qwen3_5_moe", scale=0.15)
     stored = add_qwen3_5_moe_mtp(folder, follow=1.0)
     loaded = load_model(folder, dtype="float32")
@@ -280,12 +278,20 @@ def test_qwen3_5_moe_mtp_module_matches_transformers_mtp_layer_and_drafts_for_mt
         hidden = layer(embeds, trunk, reference.model.rotary_emb(embeds, positions), causal, positions, None)
         expected = reference.lm_head(hidden)  # [1, 11, V]
     assert close(drafted, expected)
+    assert_mtp_drafts_give_plain_tokens(loaded)
+
+
+def assert_mtp_drafts_give_plain_tokens(loaded) -> None:
+    """Greedy `mtp` drafting (2 a step, no guard) on two repetitive prompts gives plain decoding's tokens, with
+    drafts both accepted and rejected (the check has teeth)."""
+    from specdecode import Engine, SamplingParams, SpecConfig
+
     engine = Engine(loaded)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    accepted = drafted_tokens = 0
+    accepted = drafted = 0
     for prompt in ("hello hello hello", "abcabcabc abcabc"):
         plain = engine.complete(prompt, greedy, SpecConfig("none")).token_ids
         result = engine.complete(prompt, greedy, SpecConfig("mtp", num_draft_tokens=2, guard=False))
         assert result.token_ids == plain
-        accepted, drafted_tokens = accepted + result.stats.accepted_tokens, drafted_tokens + result.stats.drafted_tokens
-    assert 0 < accepted < drafted_tokens  # drafts both right and wrong: the check has teeth
+        accepted, drafted = accepted + result.stats.accepted_tokens, drafted + result.stats.drafted_tokens
+    assert 0 < accepted < drafted

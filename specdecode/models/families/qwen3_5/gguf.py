@@ -54,6 +54,7 @@ _BLOCK = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.wei
 _NEXTN = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
           "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head_norm.weight": "mtp.norm.weight"}
 _PATTERN = re.compile(r"blk\.(\d+)\.(nextn\.)?(.+)")
+_SHARED_GATE = "shared_expert_gate.weight"  # [1, H] in Hugging Face's checkpoints, [H] in the file
 
 
 def qwen35_config(meta, tensors: dict, path: Path, companion: bool = False, architecture: str = ARCHITECTURE,
@@ -171,9 +172,6 @@ def transforms(name: str, config: ModelConfig) -> bool:
     """Whether the file's tensor differs from Hugging Face's in values or order (read whole, then converted)."""
     return (value_rows(name, config) is not None or is_reordered_by_columns(name, config)
             or name.endswith(("norm.weight", "A_log", "conv1d.weight", _SHARED_GATE)))
-
-
-_SHARED_GATE = "shared_expert_gate.weight"  # [1, H] in Hugging Face's checkpoints, [H] in the file
 
 
 def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
