@@ -46,8 +46,10 @@ def wait_until_idle(server: RunningServer, seconds: float = 10) -> None:
         time.sleep(0.02)
 
 
-def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exactly(served, engine):
-    batched = served.app.state.scheduler.batching
+def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exactly(served, engine, monkeypatch):
+    # Batched, the load budget withholds drafts when its measured timings say they do not pay (load_budget.py,
+    # tested on a scripted clock in test_load_budget.py): held open here, every request drafts whatever the load.
+    monkeypatch.setattr(engine.load_budget, "draft_cap", lambda seqs, wanted: max(wanted))
     sampling = SamplingParams(max_tokens=16)
     expected = {(chat, p): engine.complete([{"role": "user", "content": p}] if chat else p, sampling, raw=not chat)
                 for chat in (False, True) for p in PROMPTS}
@@ -65,10 +67,8 @@ def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exac
         body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         return stream_text(served.stream("/v1/chat/completions" if chat else "/v1/completions", body))
 
-    started = time.monotonic()
     with ThreadPoolExecutor(max_workers=32) as pool:
         results = list(pool.map(send, requests))
-    assert time.monotonic() - started < 60  # about 6 s on 2 idle cores
 
     tokens = drafted = accepted = 0
     for (chat, prompt, method), (text, finish, usage_chunk) in zip(requests, results, strict=True):
@@ -77,8 +77,7 @@ def test_200_streams_from_32_clients_match_single_requests_and_move_metrics_exac
         assert usage_chunk["usage"]["completion_tokens"] == len(reference.token_ids)
         spec = usage_chunk["speculative"]
         assert spec["method"] == method and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-        if method == "none" or not batched:  # batched, the load may withhold a request's drafts (load_budget.py)
-            assert (spec["drafted_tokens"] == 0) == (method == "none")
+        assert (spec["drafted_tokens"] == 0) == (method == "none")
         tokens += usage_chunk["usage"]["completion_tokens"]
         drafted, accepted = drafted + spec["drafted_tokens"], accepted + spec["accepted_tokens"]
     assert drafted > 0
@@ -206,12 +205,10 @@ def test_draining_server_ends_streams_past_the_grace_with_an_error_event_and_don
     while server.health() != {"status": "ok", "active": 1, "queued": 1}:
         assert time.monotonic() < wait, server.health()
         time.sleep(0.01)
-    started = time.monotonic()
     server.stop(timeout=15)
     for reader in readers:
-        reader.join(5)
+        reader.join(5)  # each has 7,990 tokens left to stream: ending now is shutdown's doing
         assert not reader.is_alive(), "a stream hung through shutdown"
-    assert time.monotonic() - started < 5
     for payloads in outcomes.values():
         assert payloads[-1] == "[DONE]"
         assert "shut down before this request" in json.loads(payloads[-2])["error"]["message"]
