@@ -177,39 +177,58 @@ def quantized_file(shape_name: str, layers: int, work: Path, bin_dir: Path) -> P
 def verify_costs(model, rounds: int) -> dict:
     """rows -> (median seconds of a forward of that many rows after a 64-token prompt, mean distinct experts its
     rows touch per sparse layer)."""
-    from specdecode.models.decoder.moe import Router
+    prompt = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))  # [1, 64]
+    results = {}
+    for rows in (1, 2, 3, 5, 8):
+        cache = model.new_cache(64 + rows)
+        with torch.inference_mode():
+            model(prompt, torch.arange(64).unsqueeze(0), cache)
+            seconds, experts = [], []
+            for round_ in range(rounds + 1):  # the first forward of each width is a warm-up
+                seeded = torch.Generator().manual_seed(round_)
+                tokens = torch.randint(0, model.config.vocab_size, (1, rows), generator=seeded)  # [1, rows]
+                positions = torch.arange(64, 64 + rows).unsqueeze(0)  # [1, rows]
+                began = time.perf_counter()
+                model(tokens, positions, cache)
+                if round_:
+                    seconds.append(time.perf_counter() - began)
+                cache.truncate(64)
+                if round_:
+                    experts.append(distinct_experts(model, tokens, positions, cache))
+                    cache.truncate(64)
+        results[rows] = (statistics.median(seconds), statistics.mean(experts))
+        print(f"verify {rows} rows: {results[rows][0] * 1000:.1f} ms, {results[rows][1]:.1f} experts a layer",
+              flush=True)
+    return results
+
+
+def distinct_experts(model, tokens: torch.Tensor, positions: torch.Tensor, cache) -> float:
+    """The mean number of distinct experts a forward's rows are routed to, per sparse layer: counted on the PyTorch
+    layers (fused layers route inside C++), each block's router run again on the block's input."""
+    from torch import nn
+
+    from specdecode.models.decoder.moe import MoEBlock
+    from specdecode.models.decoder.rope import RopeTable, inverse_frequencies
 
     touched: list[int] = []
 
-    def count(module, inputs, output):  # output: (weights [N, k], experts [N, k])
-        touched.append(int(output[1].unique().numel()))
+    def count(block, inputs):
+        _, chosen = block.router(inputs[0].reshape(-1, inputs[0].shape[-1]))  # [N, k]
+        touched.append(int(chosen.unique().numel()))
 
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Router)]
-    prompt = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))  # [1, 64]
-    results = {}
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, MoEBlock)]
+    fused, rope = model.layers, model.rope
+    model.layers = nn.ModuleList(layer.unfused() if hasattr(layer, "unfused") else layer for layer in fused)
+    # The PyTorch layers' cos/sin in the model's dtype (fused layers read float32).
+    model.rope = RopeTable(inverse_frequencies(model.config, model.rope_factors), model.config.max_position_embeddings,
+                           model.dtype, model.device)
     try:
-        for rows in (1, 2, 3, 5, 8):
-            cache = model.new_cache(64 + rows)
-            with torch.inference_mode():
-                model(prompt, torch.arange(64).unsqueeze(0), cache)
-                seconds, experts = [], []
-                for round_ in range(rounds + 1):  # the first forward of each width is a warm-up
-                    seeded = torch.Generator().manual_seed(round_)
-                    tokens = torch.randint(0, model.config.vocab_size, (1, rows), generator=seeded)  # [1, rows]
-                    touched.clear()
-                    began = time.perf_counter()
-                    model(tokens, torch.arange(64, 64 + rows).unsqueeze(0), cache)
-                    if round_:
-                        seconds.append(time.perf_counter() - began)
-                        experts.append(statistics.mean(touched))
-                    cache.truncate(64)
-            results[rows] = (statistics.median(seconds), statistics.mean(experts))
-            print(f"verify {rows} rows: {results[rows][0] * 1000:.1f} ms, {results[rows][1]:.1f} experts a layer",
-                  flush=True)
+        model(tokens, positions, cache)
     finally:
+        model.layers, model.rope = fused, rope
         for hook in hooks:
             hook.remove()
-    return results
+    return statistics.mean(touched)
 
 
 def speculation_identical(engine, tokens: int) -> dict:

@@ -14,7 +14,8 @@ from specdecode.models.kernels import w4a8_linear
 from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.loader import load_model
 
-ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}}  # qwen3: q/k norms; mistral: window
+# qwen3: q/k norms; mistral: window; qwen3_moe: q/k norms and a mixture of experts (w4a8_moe.cpp) in the layer
+ARCHS = {"qwen2": {}, "llama": {}, "mistral": {}, "qwen3": {"head_dim": 32}, "qwen3_moe": {}}
 
 
 @pytest.fixture(autouse=True, params=each_variant())
@@ -56,5 +57,6 @@ def test_bfloat16_cache_holds_what_the_pytorch_layers_write(tmp_path):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.05, atol=0.05 * theirs.abs().max().item())
 
 
-def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(tmp_path):
-    assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(w4a8_model(tmp_path, "qwen2", "bfloat16"))
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(tmp_path, arch):
+    assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(w4a8_model(tmp_path, arch, "bfloat16"))

@@ -87,6 +87,8 @@ def dense_layers(layers: int, mlp_only: list[int] | tuple[int, ...] = (), sparse
 class Router(nn.Module):
     """Scores every expert for each row and keeps the best k: (weights [N, k], experts [N, k])."""
 
+    in_kernel = False  # whether a compiled block runs it (kernels/w4a8_moe.py): then never packed for oneDNN
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         moe = config.moe
@@ -185,11 +187,11 @@ class MoEBlock(nn.Module):
 
 
 class MoETransformer(Transformer):
-    routers_invariant = False  # whether every router runs on a row-invariant kernel (finish_loading)
-
     """The Llama-style trunk with a mixture of experts for each sparse layer's MLP: the layers are DecoderLayers
     whose `mlp` is a MoEBlock, so the fixed-order float layers that replace DecoderLayer (keeping its submodules)
     keep the experts too. Its MTP modules' blocks are sparse (transformers builds them with no dense layer)."""
+
+    routers_invariant = False  # whether every router runs on a row-invariant kernel (finish_loading)
 
     @staticmethod
     def build_layers(config: ModelConfig) -> nn.ModuleList:
@@ -206,9 +208,13 @@ class MoETransformer(Transformer):
 
 
 def pack_routers(model: Transformer) -> bool:
-    """Pack every router of a loaded model for oneDNN where this machine has its kernels (Router.pack) -> whether
-    they then prove row-invariant (a probe at load, as for the other packed matmuls)."""
-    routers = [module for module in model.modules() if isinstance(module, Router)]
+    """Pack every router of a loaded model that runs in PyTorch for oneDNN where this machine has its kernels
+    (Router.pack) -> whether every router is then row-invariant: those the w4a8 block kernel runs are by
+    construction, the packed ones prove so by a probe at load (as the other packed matmuls)."""
+    every = [module for module in model.modules() if isinstance(module, Router)]
+    routers = [router for router in every if not router.in_kernel]
+    if every and not routers:
+        return True
     if not routers or not can_pack(model):
         return False
     for router in routers:

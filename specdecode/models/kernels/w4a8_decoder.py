@@ -20,8 +20,11 @@ from torch import nn
 
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import DecoderLayer
+from specdecode.models.decoder.moe import MoEBlock
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.kernels.float_decoder import fix_float_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
+from specdecode.models.kernels.w4a8_moe import fuse_moe_blocks, moe_kernel
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 
@@ -45,19 +48,37 @@ class W4A8DecoderLayer(DecoderLayer):
 
 
 def fuse_layers(model: Transformer) -> None:
-    """Replace each Llama-style decoder layer by a fused one when every matmul in them is w4a8 and the sizes suit
-    the vector code (else the PyTorch layers run). Call before `finish_loading`, which builds the cos/sin table
-    in the dtype the layers want."""
+    """Replace each Llama-style decoder layer by a fused one when every matmul in them is w4a8 (a mixture of
+    experts' included: w4a8_moe.py) and the sizes suit the vector code (else the PyTorch layers run). Call before
+    `finish_loading`, which builds the cos/sin table in the dtype the layers want."""
     layers, config = model.layers, model.config
-    linears = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
-    if not linears or not all(isinstance(m, W4A8Linear) for m in linears):
+    attention = [m for layer in layers for m in (layer.attn.qkv, layer.attn.o)]
+    if not attention or not all(isinstance(m, W4A8Linear) for m in attention):
         return
-    if model.dtype not in _CACHE_DTYPES or config.head_dim % 16:  # w4a8 shapes already make the other sizes fit
+    # The C++ rope turns whole heads: partial rotary (GLM-4.5) keeps the PyTorch attention.
+    if (model.dtype not in _CACHE_DTYPES or config.head_dim % 16  # w4a8 shapes already make the other sizes fit
+            or config.rotary_dim not in (None, config.head_dim)):
         return
     kernel = load_kernel()
 
     def weight(linear: W4A8Linear):
         return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)
+
+    def feedforward(mlp: nn.Module) -> tuple | None:
+        """The kernel's arguments for a layer's MLP: its two w4a8 weights, or a compiled mixture of experts."""
+        if isinstance(mlp, MoEBlock):
+            moe = moe_kernel(mlp)
+            return None if moe is None else (moe,)
+        if all(isinstance(linear, W4A8Linear) for linear in (mlp.gate_up, mlp.down)):
+            return weight(mlp.gate_up), weight(mlp.down)
+        return None
+
+    feedforwards = [feedforward(layer.mlp) for layer in layers]
+    if any(arguments is None for arguments in feedforwards):
+        for layer in layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.router.in_kernel = False  # left to PyTorch after all
+        return
 
     def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()
@@ -65,11 +86,19 @@ def fuse_layers(model: Transformer) -> None:
     model.layers = nn.ModuleList(
         W4A8DecoderLayer(layer, kernel.DecoderLayer(
             layer.attn_norm.weight.detach(), weight(layer.attn.qkv), weight(layer.attn.o),
-            layer.mlp_norm.weight.detach(), weight(layer.mlp.gate_up), weight(layer.mlp.down),
-            norm_weight(layer.attn.q_norm), norm_weight(layer.attn.k_norm), config.num_heads,
-            config.num_kv_heads, config.head_dim, config.rms_norm_eps))
-        for layer in layers)
+            layer.mlp_norm.weight.detach(), *mlp, norm_weight(layer.attn.q_norm), norm_weight(layer.attn.k_norm),
+            config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps))
+        for layer, mlp in zip(layers, feedforwards, strict=True))
 
+
+def fuse_moe_layers(model: Transformer) -> None:
+    """A Llama-style trunk with mixtures of experts: its layers fused where they can be (fuse_layers), the MoE
+    blocks they do not run (its MTP modules', or every one where the attention stays in PyTorch) compiled on their
+    own, and unfused layers on the fixed-order float layers (float_decoder.py) over the w4a8 matmuls."""
+    fuse_layers(model)
+    fuse_moe_blocks(model)
+    if not all(isinstance(layer, W4A8DecoderLayer) for layer in model.layers):
+        fix_float_layers(model)
 
 
 def fused_batch_invariant(model: Transformer) -> bool:

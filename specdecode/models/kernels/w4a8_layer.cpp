@@ -1,5 +1,6 @@
 // A w4a8 model's decoder layer in one call (see w4a8_decoder.py for the why): RMSNorm, the four w4a8 matmuls,
-// q/k norms, rotary embeddings, the K/V cache write, attention and SiLU, with the residual stream in float32.
+// q/k norms, rotary embeddings, the K/V cache write, attention and SiLU, with the residual stream in float32; or,
+// for a mixture of experts, the same attention and the w4a8 expert block (w4a8_moe.cpp) in place of the MLP.
 //
 // Every row (token) is computed on its own and in the same order whatever else shares the call: the matmuls
 // are batch-invariant (w4a8_kernel.cpp), norms and dot products reduce each row in a fixed order, and
@@ -10,7 +11,9 @@
 #include "attention.h"
 #include "delta_rule.h"
 #include "w4a8_kernel.h"
+#include "w4a8_moe.h"
 #include "row_ops.h"
+#include <memory>
 #include <vector>
 
 class W4A8DecoderLayer {
@@ -27,6 +30,21 @@ class W4A8DecoderLayer {
     TORCH_CHECK(qkv.in_features() == hidden_ && qkv.out_features() == (heads_ + 2 * kv_heads_) * dim_ &&
                 o.in_features() == heads_ * dim_ && o.out_features() == hidden_ && gate_up.in_features() == hidden_ &&
                 down.in_features() == inter_ && down.out_features() == hidden_, "layer shapes do not match");
+    if (q_norm.has_value()) q_norm_ = floats(*q_norm);
+    if (k_norm.has_value()) k_norm_ = floats(*k_norm);
+  }
+
+  // The same attention, with a mixture of experts for the MLP.
+  W4A8DecoderLayer(torch::Tensor attn_norm, W4A8Weight qkv, W4A8Weight o, torch::Tensor mlp_norm,
+                   std::shared_ptr<W4A8MoE> moe, c10::optional<torch::Tensor> q_norm,
+                   c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : attn_norm_(floats(attn_norm)), mlp_norm_(floats(mlp_norm)), qkv_(qkv), o_(o), moe_(std::move(moe)),
+        heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(attn_norm_.numel()), inter_(0),
+        eps_((float)eps) {
+    TORCH_CHECK(hidden_ % 16 == 0 && dim_ % 16 == 0 && heads_ % kv_heads_ == 0 && moe_->hidden() == hidden_,
+                "hidden size and head size must be multiples of 16, and the experts' hidden size the layer's");
+    TORCH_CHECK(qkv.in_features() == hidden_ && qkv.out_features() == (heads_ + 2 * kv_heads_) * dim_ &&
+                o.in_features() == heads_ * dim_ && o.out_features() == hidden_, "layer shapes do not match");
     if (q_norm.has_value()) q_norm_ = floats(*q_norm);
     if (k_norm.has_value()) k_norm_ = floats(*k_norm);
   }
@@ -64,11 +82,15 @@ class W4A8DecoderLayer {
     w4a8_rows(attended.data_ptr<float>(), rows, o_, projected.data_ptr<float>());
     add_into(residual, projected.data_ptr<float>(), rows * hidden_);
 
-    torch::Tensor gate_up = buffer(rows, 2 * inter_), act = buffer(rows, inter_);
     rms_norm(residual, rows, hidden_, mlp_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
-    w4a8_rows(normed.data_ptr<float>(), rows, gate_up_, gate_up.data_ptr<float>());
-    silu_times_up(gate_up.data_ptr<float>(), rows, inter_, act.data_ptr<float>());
-    w4a8_rows(act.data_ptr<float>(), rows, down_, projected.data_ptr<float>());
+    if (moe_) {
+      moe_->run(normed.data_ptr<float>(), rows, projected.data_ptr<float>());
+    } else {
+      torch::Tensor gate_up = buffer(rows, 2 * inter_), act = buffer(rows, inter_);
+      w4a8_rows(normed.data_ptr<float>(), rows, gate_up_, gate_up.data_ptr<float>());
+      silu_times_up(gate_up.data_ptr<float>(), rows, inter_, act.data_ptr<float>());
+      w4a8_rows(act.data_ptr<float>(), rows, down_, projected.data_ptr<float>());
+    }
     add_into(residual, projected.data_ptr<float>(), rows * hidden_);
     return out;
   }
@@ -94,7 +116,8 @@ class W4A8DecoderLayer {
   }
 
   torch::Tensor attn_norm_, mlp_norm_, q_norm_, k_norm_;  // float32 weights; q/k norms undefined unless Qwen3
-  W4A8Weight qkv_, o_, gate_up_, down_;
+  W4A8Weight qkv_, o_, gate_up_, down_;  // gate_up_ and down_ unset where moe_ runs the MLP
+  std::shared_ptr<W4A8MoE> moe_;
   int64_t heads_, kv_heads_, dim_, hidden_, inter_;
   float eps_;
 };
@@ -108,8 +131,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
   m.def("delta_rule", &delta_rule, py::call_guard<py::gil_scoped_release>());
+  py::class_<W4A8MoE, std::shared_ptr<W4A8MoE>>(m, "MoE", py::module_local())
+      .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, std::vector<W4A8Weight>, std::vector<W4A8Weight>,
+                    c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>, int64_t, bool,
+                    int64_t, int64_t, bool, double>())
+      .def("forward", &W4A8MoE::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, std::shared_ptr<W4A8MoE>,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
       .def("forward", &W4A8DecoderLayer::forward, py::call_guard<py::gil_scoped_release>());
 }

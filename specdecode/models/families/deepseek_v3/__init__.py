@@ -14,6 +14,7 @@ from specdecode.models.families.deepseek_v3.gguf import LatentLayout
 from specdecode.models.families.deepseek_v3.kernels import fix_latent_layers, latent_batch_invariant
 from specdecode.models.families.deepseek_v3.trunk import LatentTransformer
 from specdecode.models.families.registry import register_family
+from specdecode.models.kernels.w4a8_moe import fuse_moe_blocks
 from specdecode.models.model_config import ModelConfig
 
 
@@ -61,7 +62,9 @@ class DeepseekV3Family(ModelFamily):
         return LatentTransformer(model_config)
 
     def fuse_w4a8(self, model: LatentTransformer) -> None:
-        # No fused C++ layer runs latent attention: the fixed-order form runs it over the w4a8 matmuls.
+        # No fused C++ layer runs latent attention: the fixed-order form runs it over the w4a8 matmuls, and the
+        # mixtures of experts run compiled (kernels/w4a8_moe.py).
+        fuse_moe_blocks(model)
         fix_latent_layers(model)
 
     def fix_float(self, model: LatentTransformer) -> str | None:

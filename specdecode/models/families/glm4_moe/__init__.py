@@ -23,6 +23,7 @@ from specdecode.models.formats.layer_names import (
     sparse_trunk_sources,
 )
 from specdecode.models.kernels.float_decoder import fix_float_layers, float_batch_invariant
+from specdecode.models.kernels.w4a8_decoder import fuse_moe_layers, fused_batch_invariant
 from specdecode.models.model_config import ModelConfig
 
 
@@ -63,14 +64,13 @@ class Glm4MoeFamily(ModelFamily):
         return MoETransformer(model_config)
 
     def fuse_w4a8(self, model: MoETransformer) -> None:
-        # No fused C++ layer runs experts: the fixed-order float layers keep them, over the w4a8 matmuls.
-        fix_float_layers(model)
+        fuse_moe_layers(model)
 
     def fix_float(self, model: MoETransformer) -> str | None:
         return fix_float_layers(model)
 
     def batch_invariant(self, model: MoETransformer) -> bool:
-        return float_batch_invariant(model) and model.routers_invariant
+        return fused_batch_invariant(model) or (float_batch_invariant(model) and model.routers_invariant)
 
 
 register_family(Glm4MoeFamily())

@@ -15,6 +15,7 @@ from specdecode.models.families.qwen3_5.kernels import fix_hybrid_layers, hybrid
 from specdecode.models.families.qwen3_5.trunk import HybridTransformer
 from specdecode.models.families.registry import register_family
 from specdecode.models.heap import keep_freed_heap
+from specdecode.models.kernels.w4a8_moe import fuse_moe_blocks
 from specdecode.models.model_config import ModelConfig
 
 
@@ -55,6 +56,7 @@ class Qwen35Family(ModelFamily):
         return HybridTransformer(model_config)
 
     def fuse_w4a8(self, model: HybridTransformer) -> None:
+        fuse_moe_blocks(model)  # Qwen 3.5 MoE's mixtures of experts, compiled (kernels/w4a8_moe.py)
         fix_hybrid_layers(model)  # its own layers; the attention kernel where the matmuls allow
 
     def fix_float(self, model: HybridTransformer) -> str | None:

@@ -17,6 +17,7 @@ from specdecode.models.formats.gguf_layout import GGUFLayout
 from specdecode.models.formats.gguf_names import MOE_BLOCK_NAMES, llama_style_name
 from specdecode.models.formats.layer_names import sparse_trunk_shapes, sparse_trunk_sources
 from specdecode.models.kernels.float_decoder import fix_float_layers, float_batch_invariant
+from specdecode.models.kernels.w4a8_decoder import fuse_moe_layers, fused_batch_invariant
 from specdecode.models.model_config import ModelConfig
 
 
@@ -49,14 +50,13 @@ class Qwen3MoeFamily(ModelFamily):
         return MoETransformer(model_config)
 
     def fuse_w4a8(self, model: MoETransformer) -> None:
-        # No fused C++ layer runs experts: the fixed-order float layers keep them, over the w4a8 matmuls.
-        fix_float_layers(model)
+        fuse_moe_layers(model)
 
     def fix_float(self, model: MoETransformer) -> str | None:
         return fix_float_layers(model)
 
     def batch_invariant(self, model: MoETransformer) -> bool:
-        return float_batch_invariant(model) and model.routers_invariant
+        return fused_batch_invariant(model) or (float_batch_invariant(model) and model.routers_invariant)
 
 
 register_family(Qwen3MoeFamily())
