@@ -13,9 +13,9 @@ The cache keeps only c and k_rope per token (latent_cache.py). Three forms compu
   query, q_nope W_UK per head, so scores read the latents directly; attention sums latents, and kv_b's value half
   W_UV turns each head's sum into its value (DeepSeek-V2's "absorb" of W_UK and W_UV);
 - fixed-order absorbed: the absorbed form with the attention in the compiled kernel (kernels/attention.cpp) and
-  the per-head products on row-invariant matmuls, so a token's bits do not depend on the rows beside it (the
-  engine's lossless promise; installed by `fix`, which every forward then takes, prefill included, so a row's
-  result never depends on the size of the forward it is in).
+  every head's products in one compiled call (kernels/head_products.cpp), each summing in a fixed order, so a
+  token's bits do not depend on the rows beside it (the engine's lossless promise; installed by `fix`, which every
+  forward then takes, prefill included, so a row's result never depends on the size of the forward it is in).
 
 kv_b is a float parameter, not an nn.Linear: both forms read it per head, and quantizers leave it as it is.
 """
@@ -23,7 +23,6 @@ kv_b is a float parameter, not an nn.Linear: both forms read it per head, and qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +107,12 @@ class LatentAttention(nn.Module):
         self.o = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
         self.scale = mla.softmax_scale(config)
         self.rotate = apply_rope_interleaved if mla.rope_interleave else apply_rope
-        # Set by `fix`: the compiled attention and each head's W_UK^T and W_UV as row-invariant matmuls, held in
-        # tuples, not submodules: they are kv_b's values in another layout, never saved or loaded (kv_b is).
+        # Set by `fix`: the compiled attention and per-head products, and kv_b's halves in the layout the products
+        # read (plain attributes, not buffers: kv_b's values in another layout, never saved or loaded; kv_b is).
         self.attend = None
-        self.key_heads: tuple[nn.Module, ...] = ()  # nh of [nope] -> [C]
-        self.value_heads: tuple[nn.Module, ...] = ()  # nh of [C] -> [v]
+        self.head_products = None
+        self.key_weights: torch.Tensor | None = None  # [nh, nope, C]: W_UK, a head's query part -> its latent query
+        self.value_weights: torch.Tensor | None = None  # [nh, C, v]: W_UV^T, a head's latent sum -> its value
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b per head: W_UK [nh, nope, C] (keys) and W_UV [nh, v, C] (values)."""
@@ -120,19 +120,12 @@ class LatentAttention(nn.Module):
         per_head = self.kv_b.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
 
-    def fix(self, attend, linear: Callable[[nn.Linear], nn.Module]) -> None:
-        """Take the fixed-order form: `attend` the compiled attention, `linear` what wraps an nn.Linear into a
-        row-invariant matmul (PackedLinear, or nn.Linear itself where the probe found it row-invariant)."""
+    def fix(self, kernel) -> None:
+        """Take the fixed-order form: the compiled extension's `attend` and `head_products` (kernels/)."""
         w_uk, w_uv = (part.detach() for part in self.up_weights())  # [nh, nope, C], [nh, v, C]
-
-        def wrap(weight: torch.Tensor) -> nn.Module:  # weight [out, in]
-            plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-            plain.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-            return linear(plain)
-
-        self.key_heads = tuple(wrap(w_uk[h].T) for h in range(self.num_heads))
-        self.value_heads = tuple(wrap(w_uv[h]) for h in range(self.num_heads))
-        self.attend = attend
+        self.key_weights = w_uk.contiguous()
+        self.value_weights = w_uv.transpose(1, 2).contiguous()
+        self.attend, self.head_products = kernel.attend, kernel.head_products
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, nh, nope + rope]."""
@@ -193,15 +186,16 @@ class LatentAttention(nn.Module):
                     cache: KVCache | CacheBatch, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         """The absorbed form with each row's attention summed in ascending slot order by the compiled kernel, which
         writes `rows` [B, T, W] into each sequence's cache in place -> [B, T, hidden]."""
-        batch, new, heads, _ = q_nope.shape
+        batch, new, heads, nope = q_nope.shape
         width, latent = self.mla.width, self.mla.kv_lora_rank
-        q_latent = torch.stack([self.key_heads[h](q_nope[:, :, h]) for h in range(heads)], dim=2)  # [B, T, nh, C]
+        q_nope = q_nope.reshape(batch * new, heads, nope).float().contiguous()  # [B*T, nh, nope]
+        q_latent = self.head_products(q_nope, self.key_weights).view(batch, new, heads, latent)  # [B, T, nh, C] float32
         # The kernel scales scores by width^-0.5: the query carries the rest of the softmax scale.
-        query = torch.cat([q_latent, q_rope], dim=-1) * (self.scale * math.sqrt(width))  # [B, T, nh, W]
+        query = torch.cat([q_latent, q_rope.float()], dim=-1) * (self.scale * math.sqrt(width))  # [B, T, nh, W]
         # One key head and one value head, both the cached row (the kernel writes it twice, to the same slot).
         qkv = torch.cat([query.flatten(2), rows, rows], dim=-1).float()  # [B, T, (nh + 2) * W]
         caches, _ = cache.layer_views(layer)  # one [1, S, W] tensor per sequence
         attended = self.attend(qkv, caches, caches, cache.lengths, mask, heads, 1, width)  # [B, T, nh*W] float32
-        summed = attended.view(batch, new, heads, width)[..., :latent].to(rows.dtype)  # [B, T, nh, C]
-        values = torch.stack([self.value_heads[h](summed[:, :, h]) for h in range(heads)], dim=2)  # [B, T, nh, v]
-        return self.o(values.flatten(2))
+        summed = attended.view(batch * new, heads, width)[..., :latent].contiguous()  # [B*T, nh, C] float32
+        values = self.head_products(summed, self.value_weights)  # [B*T, nh, v] float32
+        return self.o(values.view(batch, new, -1).to(rows.dtype))

@@ -10,6 +10,7 @@
 // w4a8_simd.h's vectors, so the same algorithm (and order of every sum) is compiled for each instruction set.
 #include "attention.h"
 #include "delta_rule.h"
+#include "head_products.h"
 #include "w4a8_kernel.h"
 #include "w4a8_moe.h"
 #include "row_ops.h"
@@ -131,6 +132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
   m.def("delta_rule", &delta_rule, py::call_guard<py::gil_scoped_release>());
+  m.def("head_products", &head_products, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8MoE, std::shared_ptr<W4A8MoE>>(m, "MoE", py::module_local())
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, std::vector<W4A8Weight>, std::vector<W4A8Weight>,
                     c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>, int64_t, bool,

@@ -16,6 +16,7 @@ from specdecode.models.decoder.kv_cache import CacheBatch
 from specdecode.models.decoder.latent_cache import LatentCache, latent_bytes_per_token
 from specdecode.models.families import config_from_hf, family_of
 from specdecode.models.families.deepseek_v3.trunk import attentions
+from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
 from specdecode.models.loader import load_model
 
 # float32, relative to the largest logit: transformers sums its eager experts in expert order, ours in slot order,
@@ -138,6 +139,23 @@ def test_each_verify_row_is_bitwise_its_one_row_result_alone_and_batched(tiny):
         batched = model(torch.cat([drafted, IDS[:, 60:66]]), torch.cat([positions, torch.arange(10, 16)[None]]),
                         CacheBatch([prefilled(), other])).logits  # [2, 6, V]
     assert torch.equal(verified, alone) and torch.equal(batched[:1], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_per_head_products_are_each_heads_matmul_and_fixed_per_row(dtype):
+    """kernels/head_products.cpp: out[r, h] = x[r, h] @ w[h] (a width of 40: 16-lane vectors and a tail), each row's
+    bits the same alone and among others."""
+    reason = w4a8_unavailable()
+    if reason is not None:
+        pytest.skip(f"the kernel cannot run here: {reason}")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 24, generator=generator)  # [R, nh, n]
+    weights = torch.randn(3, 24, 40, generator=generator).to(dtype)  # [nh, n, m]
+    products = load_kernel().head_products
+    out = products(x, weights)  # [R, nh, m]
+    torch.testing.assert_close(out, torch.einsum("rhn,hnm->rhm", x, weights.float()), rtol=1e-5, atol=1e-5)
+    for r in range(5):
+        assert torch.equal(products(x[r : r + 1].contiguous(), weights)[0], out[r])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

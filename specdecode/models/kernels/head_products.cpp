@@ -1,0 +1,92 @@
+// Per-head products (head_products.h). A head's weights are read once per four rows of the call (a verify
+// forward's few rows share one read), and each output accumulates the inputs in ascending order.
+#include "head_products.h"
+#include "w4a8_simd.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+float scalar(float w) { return w; }
+float scalar(uint16_t bits) {  // bfloat16 -> float32
+  const uint32_t wide = (uint32_t)bits << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// out [RB, 16 CB] (row stride out_stride) = x [RB, n] (row stride x_stride) @ w [n, 16 CB] (row stride m): the
+// accumulators stay in registers, each weight vector serves RB rows. Every output sums over n in ascending order
+// from zero, one rounding a step, whatever RB and CB: a row's bits do not depend on the block it falls in.
+template <int RB, int CB, typename W>
+void block(const float* x, int64_t x_stride, const W* w, int64_t n, int64_t m, float* out, int64_t out_stride) {
+  F16 sums[RB][CB];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < CB; ++c) sums[r][c] = set16(0.f);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    F16 weights[CB];
+    for (int c = 0; c < CB; ++c) weights[c] = load16(w + i * m + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      const F16 input = set16(x[r * x_stride + i]);
+      for (int c = 0; c < CB; ++c) sums[r][c] = fmadd16(input, weights[c], sums[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < CB; ++c) store16(out + r * out_stride + 16 * c, sums[r][c]);
+  }
+}
+
+// RB rows of one head: column blocks of 64, then of 16, then the last few columns one at a time.
+template <int RB, typename W>
+void rows_of_head(const float* x, int64_t x_stride, const W* w, int64_t n, int64_t m, float* out,
+                  int64_t out_stride) {
+  int64_t j = 0;
+  for (; j + 64 <= m; j += 64) block<RB, 4>(x, x_stride, w + j, n, m, out + j, out_stride);
+  for (; j + 16 <= m; j += 16) block<RB, 1>(x, x_stride, w + j, n, m, out + j, out_stride);
+  for (; j < m; ++j) {
+    for (int r = 0; r < RB; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum = std::fma(x[r * x_stride + i], scalar(w[i * m + j]), sum);
+      out[r * out_stride + j] = sum;
+    }
+  }
+}
+
+// out [R, m] (row stride out_stride) = x [R, n] (row stride x_stride) @ w [n, m], four rows at a time.
+template <typename W>
+void one_head(const float* x, int64_t x_stride, int64_t rows, const W* w, int64_t n, int64_t m, float* out,
+              int64_t out_stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) rows_of_head<4>(x + r * x_stride, x_stride, w, n, m, out + r * out_stride, out_stride);
+  for (; r < rows; ++r) rows_of_head<1>(x + r * x_stride, x_stride, w, n, m, out + r * out_stride, out_stride);
+}
+
+}  // namespace
+
+torch::Tensor head_products(torch::Tensor x, torch::Tensor weights) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [R, nh, n] contiguous float32");
+  TORCH_CHECK(weights.dim() == 3 && weights.is_contiguous() && weights.size(0) == x.size(1) &&
+              weights.size(1) == x.size(2) &&
+              (weights.scalar_type() == torch::kFloat || weights.scalar_type() == torch::kBFloat16),
+              "weights: [nh, n, m] contiguous float32 or bfloat16");
+  const int64_t rows = x.size(0), heads = x.size(1), n = x.size(2), m = weights.size(2);
+  torch::Tensor out = torch::empty({rows, heads, m}, torch::kFloat);
+  const float* xs = x.data_ptr<float>();
+  float* outs = out.data_ptr<float>();
+  const bool bf16 = weights.scalar_type() == torch::kBFloat16;
+  const void* ws = weights.data_ptr();
+  at::parallel_for(0, heads, 1, [&](int64_t first, int64_t end) {
+    for (int64_t h = first; h < end; ++h) {
+      if (bf16) {
+        one_head((const float*)xs + h * n, heads * n, rows, (const uint16_t*)ws + h * n * m, n, m, outs + h * m,
+                 heads * m);
+      } else {
+        one_head((const float*)xs + h * n, heads * n, rows, (const float*)ws + h * n * m, n, m, outs + h * m,
+                 heads * m);
+      }
+    }
+  });
+  return out;
+}
