@@ -39,12 +39,15 @@ from llamacpp_runs import alternate_rounds, speed_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-# Published configs (Qwen/Qwen3-30B-A3B and zai-org/GLM-4.7-Flash config.json, as transformers' defaults for
-# glm4_moe_lite restate the latter); only the layer count is cut (--layers).
+# Published configs (Qwen/Qwen3-30B-A3B, zai-org/GLM-4.5-Air and zai-org/GLM-4.7-Flash config.json, as
+# transformers' defaults for glm4_moe and glm4_moe_lite restate the last two); only the layer count is cut (--layers).
 SHAPES = {
     "qwen3-30b-a3b": {"arch": "qwen3moe", "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128,
                       "experts": 128, "used": 8, "expert_width": 768, "vocab": 151936, "layers": 48,
                       "rope_theta": 1e6, "eps": 1e-6},
+    "glm-4.5-air": {"arch": "glm4moe", "hidden": 4096, "heads": 96, "kv_heads": 8, "head_dim": 128, "experts": 128,
+                    "used": 8, "expert_width": 1408, "dense_width": 10944, "vocab": 151552, "layers": 46,
+                    "rope_theta": 1e6, "eps": 1e-5, "scale": 1.0},
     "glm-4.7-flash": {"arch": "deepseek2", "hidden": 2048, "heads": 20, "experts": 64, "used": 4,
                       "expert_width": 1536, "dense_width": 10240, "vocab": 154880, "layers": 47, "q_lora": 768,
                       "kv_lora": 512, "nope": 192, "rope": 64, "v": 256, "scale": 1.8, "rope_theta": 1e6,
@@ -69,6 +72,41 @@ def qwen3moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...
     return tensors
 
 
+def glm4moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """(llama.cpp's name, torch shape, type) of every tensor of a glm4moe file (GLM-4.5-Air's layout: q, k and v
+    biases, no q/k norms, the first layer dense, one shared expert, the selection bias)."""
+    hidden, head, experts, width = shape["hidden"], shape["head_dim"], shape["experts"], shape["expert_width"]
+    q, kv = shape["heads"] * head, shape["kv_heads"] * head
+    tensors = [("token_embd.weight", (shape["vocab"], hidden), F16), ("output_norm.weight", (hidden,), F32),
+               ("output.weight", (shape["vocab"], hidden), F16)]
+    for i in range(layers):
+        block = [("attn_norm.weight", (hidden,), F32), ("attn_q.weight", (q, hidden), F16), ("attn_q.bias", (q,), F32),
+                 ("attn_k.weight", (kv, hidden), F16), ("attn_k.bias", (kv,), F32),
+                 ("attn_v.weight", (kv, hidden), F16), ("attn_v.bias", (kv,), F32),
+                 ("attn_output.weight", (hidden, q), F16), ("post_attention_norm.weight", (hidden,), F32)]
+        block += dense_ffn(shape) if i == 0 else sparse_ffn(shape)
+        tensors += [(f"blk.{i}.{name}", dims, kind) for name, dims, kind in block]
+    return tensors
+
+
+def dense_ffn(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
+    """A leading dense layer's MLP (GLM's files)."""
+    hidden, dense = shape["hidden"], shape["dense_width"]
+    return [("ffn_gate.weight", (dense, hidden), F16), ("ffn_up.weight", (dense, hidden), F16),
+            ("ffn_down.weight", (hidden, dense), F16)]
+
+
+def sparse_ffn(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
+    """A sparse layer's router, selection bias, experts and one shared expert (GLM's files)."""
+    hidden, experts, width = shape["hidden"], shape["experts"], shape["expert_width"]
+    return [("ffn_gate_inp.weight", (experts, hidden), F32), ("exp_probs_b.bias", (experts,), F32),
+            ("ffn_gate_exps.weight", (experts, width, hidden), F16),
+            ("ffn_up_exps.weight", (experts, width, hidden), F16),
+            ("ffn_down_exps.weight", (experts, hidden, width), F16),
+            ("ffn_gate_shexp.weight", (width, hidden), F16), ("ffn_up_shexp.weight", (width, hidden), F16),
+            ("ffn_down_shexp.weight", (hidden, width), F16)]
+
+
 def deepseek2_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
     """(llama.cpp's name, torch shape, type) of every tensor of a deepseek2 file (GLM-4.7-Flash's layout: the
     first layer dense, kv_b split into attn_k_b [nh, C, nope] and attn_v_b [nh, v, C])."""
@@ -82,23 +120,13 @@ def deepseek2_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ..
                  ("attn_kv_a_mqa.weight", (latent + rope, hidden), F16), ("attn_kv_a_norm.weight", (latent,), F32),
                  ("attn_k_b.weight", (heads, latent, nope), F16), ("attn_v_b.weight", (heads, v, latent), F16),
                  ("attn_output.weight", (hidden, heads * v), F16), ("ffn_norm.weight", (hidden,), F32)]
-        if i == 0:
-            dense = shape["dense_width"]
-            block += [("ffn_gate.weight", (dense, hidden), F16), ("ffn_up.weight", (dense, hidden), F16),
-                      ("ffn_down.weight", (hidden, dense), F16)]
-        else:
-            block += [("ffn_gate_inp.weight", (experts, hidden), F32), ("exp_probs_b.bias", (experts,), F32),
-                      ("ffn_gate_exps.weight", (experts, width, hidden), F16),
-                      ("ffn_up_exps.weight", (experts, width, hidden), F16),
-                      ("ffn_down_exps.weight", (experts, hidden, width), F16),
-                      ("ffn_gate_shexp.weight", (width, hidden), F16), ("ffn_up_shexp.weight", (width, hidden), F16),
-                      ("ffn_down_shexp.weight", (hidden, width), F16)]
+        block += dense_ffn(shape) if i == 0 else sparse_ffn(shape)
         tensors += [(f"blk.{i}.{name}", dims, kind) for name, dims, kind in block]
     return tensors
 
 
 def add_metadata(writer, shape: dict, layers: int) -> None:
-    """The keys llama.cpp's converter writes for the architecture (conversion/qwen.py, conversion/deepseek.py)."""
+    """The keys llama.cpp's converter writes for the architecture (conversion/qwen.py, glm.py, deepseek.py)."""
     writer.add_context_length(4096)
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(layers)
@@ -117,6 +145,19 @@ def add_metadata(writer, shape: dict, layers: int) -> None:
     import gguf
 
     writer.add_feed_forward_length(shape["dense_width"])
+    writer.add_leading_dense_block_count(1)
+    writer.add_expert_shared_count(1)
+    writer.add_expert_weights_scale(shape["scale"])
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_group_count(1)
+    writer.add_expert_group_used_count(1)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if shape["arch"] == "glm4moe":  # conversion/glm.py: half of each head rotated
+        writer.add_head_count_kv(shape["kv_heads"])
+        writer.add_key_length(shape["head_dim"])
+        writer.add_value_length(shape["head_dim"])
+        writer.add_rope_dimension_count(shape["head_dim"] // 2)
+        return
     writer.add_head_count_kv(1)
     writer.add_rope_dimension_count(shape["rope"])
     writer.add_q_lora_rank(shape["q_lora"])
@@ -125,13 +166,6 @@ def add_metadata(writer, shape: dict, layers: int) -> None:
     writer.add_value_length(shape["kv_lora"])
     writer.add_key_length_mla(shape["nope"] + shape["rope"])
     writer.add_value_length_mla(shape["v"])
-    writer.add_leading_dense_block_count(1)
-    writer.add_expert_shared_count(1)
-    writer.add_expert_weights_scale(shape["scale"])
-    writer.add_expert_weights_norm(True)
-    writer.add_expert_group_count(1)
-    writer.add_expert_group_used_count(1)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def write_random_gguf(path: Path, shape: dict, layers: int) -> None:
@@ -140,7 +174,8 @@ def write_random_gguf(path: Path, shape: dict, layers: int) -> None:
     import gguf
     from gguf_files import add_vocabulary
 
-    tensors = (qwen3moe_tensors if shape["arch"] == "qwen3moe" else deepseek2_tensors)(shape, layers)
+    tensors = {"qwen3moe": qwen3moe_tensors, "glm4moe": glm4moe_tensors, "deepseek2": deepseek2_tensors}[
+        shape["arch"]](shape, layers)
     writer = gguf.GGUFWriter(str(path), shape["arch"])
     add_metadata(writer, shape, layers)
     add_vocabulary(writer, shape["vocab"], "qwen2")
@@ -154,7 +189,7 @@ def write_random_gguf(path: Path, shape: dict, layers: int) -> None:
     rng = np.random.default_rng(0)
     for name, dims, kind in tensors:
         if len(dims) == 1:
-            data = (rng.random(dims, dtype=np.float32) * 0.1 + (0.0 if "probs_b" in name else 0.95))
+            data = (rng.random(dims, dtype=np.float32) * 0.1 + (0.95 if name.endswith("norm.weight") else 0.0))
         else:
             data = rng.standard_normal(dims, dtype=np.float32) * np.float32(dims[-1] ** -0.5)
         writer.write_tensor_data(data.astype(np.float16) if kind == F16 else data)

@@ -113,6 +113,8 @@ class LatentAttention(nn.Module):
         self.head_products = None
         self.key_weights: torch.Tensor | None = None  # [nh, nope, C]: W_UK, a head's query part -> its latent query
         self.value_weights: torch.Tensor | None = None  # [nh, C, v]: W_UV^T, a head's latent sum -> its value
+        self.key_scales: torch.Tensor | None = None  # [nh, C] float32 where the key weights are int8 codes
+        self.value_scales: torch.Tensor | None = None  # [nh, v] float32 where the value weights are int8 codes
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b per head: W_UK [nh, nope, C] (keys) and W_UV [nh, v, C] (values)."""
@@ -120,11 +122,13 @@ class LatentAttention(nn.Module):
         per_head = self.kv_b.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
 
-    def fix(self, kernel) -> None:
-        """Take the fixed-order form: the compiled extension's `attend` and `head_products` (kernels/)."""
+    def fix(self, kernel, int8: bool = False) -> None:
+        """Take the fixed-order form: the compiled extension's `attend` and `head_products` (kernels/); `int8`: the
+        per-head weights as int8 codes with a scale a column (a quantized model's: half the bytes a step reads,
+        as llama.cpp's 8-bit attn_k_b and attn_v_b), else in the model's dtype."""
         w_uk, w_uv = (part.detach() for part in self.up_weights())  # [nh, nope, C], [nh, v, C]
-        self.key_weights = w_uk.contiguous()
-        self.value_weights = w_uv.transpose(1, 2).contiguous()
+        self.key_weights, self.key_scales = head_weights(w_uk, int8)
+        self.value_weights, self.value_scales = head_weights(w_uv.transpose(1, 2), int8)
         self.attend, self.head_products = kernel.attend, kernel.head_products
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +193,7 @@ class LatentAttention(nn.Module):
         batch, new, heads, nope = q_nope.shape
         width, latent = self.mla.width, self.mla.kv_lora_rank
         q_nope = q_nope.reshape(batch * new, heads, nope).float().contiguous()  # [B*T, nh, nope]
-        q_latent = self.head_products(q_nope, self.key_weights).view(batch, new, heads, latent)  # [B, T, nh, C] float32
+        q_latent = self.head_products(q_nope, self.key_weights, self.key_scales).view(batch, new, heads, latent)  # [B, T, nh, C] float32
         # The kernel scales scores by width^-0.5: the query carries the rest of the softmax scale.
         query = torch.cat([q_latent, q_rope.float()], dim=-1) * (self.scale * math.sqrt(width))  # [B, T, nh, W]
         # One key head and one value head, both the cached row (the kernel writes it twice, to the same slot).
@@ -197,5 +201,16 @@ class LatentAttention(nn.Module):
         caches, _ = cache.layer_views(layer)  # one [1, S, W] tensor per sequence
         attended = self.attend(qkv, caches, caches, cache.lengths, mask, heads, 1, width)  # [B, T, nh*W] float32
         summed = attended.view(batch * new, heads, width)[..., :latent].contiguous()  # [B*T, nh, C] float32
-        values = self.head_products(summed, self.value_weights)  # [B*T, nh, v] float32
+        values = self.head_products(summed, self.value_weights, self.value_scales)  # [B*T, nh, v] float32
         return self.o(values.view(batch, new, -1).to(rows.dtype))
+
+
+def head_weights(weights: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """weights [nh, n, m] -> (the same, contiguous, and None), or int8 codes [nh, n, m] with a float32 scale a column
+    [nh, m]: symmetric, code = round(w / scale), scale = the column's largest |w| / 127."""
+    if not int8:
+        return weights.contiguous(), None
+    wide = weights.float()
+    scales = wide.abs().amax(dim=1).clamp_min(1e-12) / 127  # [nh, m]
+    codes = torch.round(wide / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [nh, n, m]
+    return codes.contiguous(), scales.contiguous()

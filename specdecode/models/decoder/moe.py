@@ -8,6 +8,9 @@ once over all of its rows. A row's result does not depend on which other rows sh
 computes each row's logits on their own, each expert's matmuls are row-invariant wherever the model is
 batch-invariant (oneDNN's packed kernels or w4a8, probed at load), and a row's k products are summed in its own
 slot order. So a drafted token verifies to the bits it decodes to alone.
+
+Where every expert is w4a8, the same block runs as one compiled call instead (kernels/w4a8_moe.py): at one token
+a step this PyTorch form's few dozen small ops a layer cost more than the experts' matmuls.
 """
 
 from __future__ import annotations

@@ -6,9 +6,19 @@
 #include <cmath>
 #include <cstring>
 
+// 16 int8 codes as floats (exact); beside w4a8_simd.h's float and bfloat16 loads, so that the same overload set
+// serves every weight type below.
+inline F16 load16(const int8_t* p) {
+  F16 r;
+  for (int i = 0; i < kParts; ++i) r.part[i] = vfrom_s8((const uint8_t*)p + i * kLanes);
+  return r;
+}
+
 namespace {
 
 float scalar(float w) { return w; }
+float scalar(int8_t w) { return (float)w; }
+
 float scalar(uint16_t bits) {  // bfloat16 -> float32
   const uint32_t wide = (uint32_t)bits << 16;
   float value;
@@ -65,12 +75,18 @@ void one_head(const float* x, int64_t x_stride, int64_t rows, const W* w, int64_
 
 }  // namespace
 
-torch::Tensor head_products(torch::Tensor x, torch::Tensor weights) {
+torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optional<torch::Tensor> scales) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [R, nh, n] contiguous float32");
   TORCH_CHECK(weights.dim() == 3 && weights.is_contiguous() && weights.size(0) == x.size(1) &&
               weights.size(1) == x.size(2) &&
-              (weights.scalar_type() == torch::kFloat || weights.scalar_type() == torch::kBFloat16),
-              "weights: [nh, n, m] contiguous float32 or bfloat16");
+              (weights.scalar_type() == torch::kFloat || weights.scalar_type() == torch::kBFloat16 ||
+               weights.scalar_type() == torch::kChar), "weights: [nh, n, m] contiguous float32, bfloat16 or int8");
+  const bool codes = weights.scalar_type() == torch::kChar;
+  TORCH_CHECK(codes == scales.has_value(), "int8 weights take scales [nh, m], and only they");
+  if (codes) {
+    TORCH_CHECK(scales->scalar_type() == torch::kFloat && scales->is_contiguous() && scales->dim() == 2 &&
+                scales->size(0) == weights.size(0) && scales->size(1) == weights.size(2), "scales: [nh, m] float32");
+  }
   const int64_t rows = x.size(0), heads = x.size(1), n = x.size(2), m = weights.size(2);
   torch::Tensor out = torch::empty({rows, heads, m}, torch::kFloat);
   const float* xs = x.data_ptr<float>();
@@ -79,7 +95,15 @@ torch::Tensor head_products(torch::Tensor x, torch::Tensor weights) {
   const void* ws = weights.data_ptr();
   at::parallel_for(0, heads, 1, [&](int64_t first, int64_t end) {
     for (int64_t h = first; h < end; ++h) {
-      if (bf16) {
+      if (codes) {  // each output's sum over codes, then its column's scale
+        one_head((const float*)xs + h * n, heads * n, rows, (const int8_t*)ws + h * n * m, n, m, outs + h * m,
+                 heads * m);
+        const float* scale = scales->data_ptr<float>() + h * m;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = outs + (r * heads + h) * m;
+          for (int64_t j = 0; j < m; ++j) out[j] *= scale[j];
+        }
+      } else if (bf16) {
         one_head((const float*)xs + h * n, heads * n, rows, (const uint16_t*)ws + h * n * m, n, m, outs + h * m,
                  heads * m);
       } else {

@@ -6,6 +6,6 @@
 #pragma once
 #include <torch/extension.h>
 
-// x [R, nh, n] float32, weights [nh, n, m] float32 or bfloat16 -> [R, nh, m] float32:
-// out[r, h] = x[r, h] @ weights[h].
-torch::Tensor head_products(torch::Tensor x, torch::Tensor weights);
+// x [R, nh, n] float32, weights [nh, n, m] float32, bfloat16 or int8 codes with scales [nh, m] float32 (one a
+// column: w = code * scale) -> [R, nh, m] float32: out[r, h] = x[r, h] @ weights[h].
+torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optional<torch::Tensor> scales);

@@ -132,7 +132,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_mm", &w4a8_mm, py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
   m.def("delta_rule", &delta_rule, py::call_guard<py::gil_scoped_release>());
-  m.def("head_products", &head_products, py::call_guard<py::gil_scoped_release>());
+  m.def("head_products", &head_products, py::arg("x"), py::arg("weights"), py::arg("scales") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8MoE, std::shared_ptr<W4A8MoE>>(m, "MoE", py::module_local())
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, std::vector<W4A8Weight>, std::vector<W4A8Weight>,
                     c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>, int64_t, bool,

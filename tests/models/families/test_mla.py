@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.errors import SpecDecodeError
 from specdecode.models.decoder.kv_cache import CacheBatch
 from specdecode.models.decoder.latent_cache import LatentCache, latent_bytes_per_token
+from specdecode.models.decoder.mla import head_weights
 from specdecode.models.families import config_from_hf, family_of
 from specdecode.models.families.deepseek_v3.trunk import attentions
 from specdecode.models.kernels.w4a8_linear import load_kernel, w4a8_unavailable
@@ -141,21 +142,28 @@ def test_each_verify_row_is_bitwise_its_one_row_result_alone_and_batched(tiny):
     assert torch.equal(verified, alone) and torch.equal(batched[:1], alone)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_per_head_products_are_each_heads_matmul_and_fixed_per_row(dtype):
-    """kernels/head_products.cpp: out[r, h] = x[r, h] @ w[h] (a width of 40: 16-lane vectors and a tail), each row's
-    bits the same alone and among others."""
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_the_per_head_products_are_each_heads_matmul_and_fixed_per_row(kind):
+    """kernels/head_products.cpp: out[r, h] = x[r, h] @ w[h] (a width of 40: 16-lane vectors and a tail; int8 codes
+    times a scale a column, as a quantized model keeps them), each row's bits the same alone and among others."""
     reason = w4a8_unavailable()
     if reason is not None:
         pytest.skip(f"the kernel cannot run here: {reason}")
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(5, 3, 24, generator=generator)  # [R, nh, n]
-    weights = torch.randn(3, 24, 40, generator=generator).to(dtype)  # [nh, n, m]
+    weights = torch.randn(3, 24, 40, generator=generator)  # [nh, n, m]
+    if kind == "int8":
+        stored, scales = head_weights(weights, int8=True)  # [nh, n, m] int8, [nh, m]
+        exact = stored.float() * scales.unsqueeze(1)  # what the codes stand for
+        assert (exact - weights).abs().max() <= scales.max() / 2 + 1e-6  # rounded to the nearest code
+    else:
+        stored, scales = weights.to(getattr(torch, kind)), None
+        exact = stored.float()
     products = load_kernel().head_products
-    out = products(x, weights)  # [R, nh, m]
-    torch.testing.assert_close(out, torch.einsum("rhn,hnm->rhm", x, weights.float()), rtol=1e-5, atol=1e-5)
+    out = products(x, stored, scales)  # [R, nh, m]
+    torch.testing.assert_close(out, torch.einsum("rhn,hnm->rhm", x, exact), rtol=1e-5, atol=1e-5)
     for r in range(5):
-        assert torch.equal(products(x[r : r + 1].contiguous(), weights)[0], out[r])
+        assert torch.equal(products(x[r : r + 1].contiguous(), stored, scales)[0], out[r])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -62,10 +62,10 @@ class DeepseekV3Family(ModelFamily):
         return LatentTransformer(model_config)
 
     def fuse_w4a8(self, model: LatentTransformer) -> None:
-        # No fused C++ layer runs latent attention: the fixed-order form runs it over the w4a8 matmuls, and the
-        # mixtures of experts run compiled (kernels/w4a8_moe.py).
+        # No fused C++ layer runs latent attention: the fixed-order form runs it over the w4a8 matmuls, with its
+        # per-head weights in int8, and the mixtures of experts run compiled (kernels/w4a8_moe.py).
         fuse_moe_blocks(model)
-        fix_latent_layers(model)
+        fix_latent_layers(model, int8_heads=True)
 
     def fix_float(self, model: LatentTransformer) -> str | None:
         return fix_latent_layers(model)

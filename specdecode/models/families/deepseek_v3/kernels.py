@@ -15,9 +15,10 @@ from specdecode.models.kernels.fixed_order import attention_unavailable
 from specdecode.models.kernels.w4a8_linear import load_kernel
 
 
-def fix_latent_layers(model: LatentTransformer) -> str | None:
+def fix_latent_layers(model: LatentTransformer, int8_heads: bool = False) -> str | None:
     """Put every latent attention in its fixed-order form where that makes the model batch-invariant here
-    -> None when done, else why not (the PyTorch forms stay)."""
+    -> None when done, else why not (the PyTorch forms stay). `int8_heads`: its per-head weights as int8 codes
+    (a quantized model's, decoder/mla.py)."""
     reason = attention_unavailable(model.device, model.dtype, model.config.mla.width)
     if reason is not None:
         return reason
@@ -31,7 +32,7 @@ def fix_latent_layers(model: LatentTransformer) -> str | None:
         return "the matmul on this CPU sums in an order that depends on the number of rows"
     kernel = load_kernel()
     for latent in attentions(model):
-        latent.fix(kernel)
+        latent.fix(kernel, int8_heads)
     model.lm_head.rows_invariant_checked = True  # see batch_invariance.py
     return None
 
