@@ -18,6 +18,7 @@ from test_mla import add_mtp_module, mla_folder
 
 from specdecode import Engine, SpecConfig
 from specdecode.models.families import family_of
+from specdecode.models.kernels.w4a8_latent import W4A8LatentDecoderLayer
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
 
@@ -52,7 +53,8 @@ def quiet_layers(folder, factor: float) -> None:
 def pair(tmp_path_factory):
     """(the target, its noisy copy as the draft model, the target's folder)."""
     root = tmp_path_factory.mktemp("mla-contract")
-    folder = mla_folder(root / "target", "deepseek_v3", num_hidden_layers=4)
+    # q_lora_rank 32: w4a8 tiles fit the low rank, so the w4a8 target runs fused layers (kernels/w4a8_latent.py)
+    folder = mla_folder(root / "target", "deepseek_v3", num_hidden_layers=4, q_lora_rank=32)
     add_mtp_module(folder, follow=1.0)  # its last layer becomes the MTP module: a 3-layer trunk
     target = load_model(folder, dtype="float32")
     draft = load_model(noisy_copy(folder, root / "draft", 0.01), dtype="float32")
@@ -96,6 +98,7 @@ def w4a8_engine(pair):
 def test_w4a8_target_output_is_bitwise_plain_decoding_alone_and_batched(w4a8_engine, monkeypatch, method, options):
     target = w4a8_engine.target.model
     assert family_of(target.config).batch_invariant(target)
+    assert all(isinstance(layer, W4A8LatentDecoderLayer) for layer in target.layers)
     for prompt in PROMPTS[:2]:
         plain = w4a8_engine.complete(prompt, greedy(24), SpecConfig("none")).token_ids
         result = w4a8_engine.complete(prompt, greedy(24), SpecConfig(method, num_draft_tokens=4, options=options))

@@ -75,10 +75,8 @@ void one_head(const float* x, int64_t x_stride, int64_t rows, const W* w, int64_
 
 }  // namespace
 
-torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optional<torch::Tensor> scales) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [R, nh, n] contiguous float32");
-  TORCH_CHECK(weights.dim() == 3 && weights.is_contiguous() && weights.size(0) == x.size(1) &&
-              weights.size(1) == x.size(2) &&
+void check_head_weights(const torch::Tensor& weights, const c10::optional<torch::Tensor>& scales) {
+  TORCH_CHECK(weights.dim() == 3 && weights.is_contiguous() &&
               (weights.scalar_type() == torch::kFloat || weights.scalar_type() == torch::kBFloat16 ||
                weights.scalar_type() == torch::kChar), "weights: [nh, n, m] contiguous float32, bfloat16 or int8");
   const bool codes = weights.scalar_type() == torch::kChar;
@@ -87,30 +85,38 @@ torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optiona
     TORCH_CHECK(scales->scalar_type() == torch::kFloat && scales->is_contiguous() && scales->dim() == 2 &&
                 scales->size(0) == weights.size(0) && scales->size(1) == weights.size(2), "scales: [nh, m] float32");
   }
-  const int64_t rows = x.size(0), heads = x.size(1), n = x.size(2), m = weights.size(2);
-  torch::Tensor out = torch::empty({rows, heads, m}, torch::kFloat);
-  const float* xs = x.data_ptr<float>();
-  float* outs = out.data_ptr<float>();
-  const bool bf16 = weights.scalar_type() == torch::kBFloat16;
+}
+
+void head_products_rows(const float* x, int64_t x_row, int64_t x_head, int64_t rows, const torch::Tensor& weights,
+                        const c10::optional<torch::Tensor>& scales, float* out, int64_t out_row, int64_t out_head) {
+  const int64_t heads = weights.size(0), n = weights.size(1), m = weights.size(2);
+  const bool codes = weights.scalar_type() == torch::kChar, bf16 = weights.scalar_type() == torch::kBFloat16;
   const void* ws = weights.data_ptr();
   at::parallel_for(0, heads, 1, [&](int64_t first, int64_t end) {
     for (int64_t h = first; h < end; ++h) {
+      const float* xh = x + h * x_head;
+      float* oh = out + h * out_head;
       if (codes) {  // each output's sum over codes, then its column's scale
-        one_head((const float*)xs + h * n, heads * n, rows, (const int8_t*)ws + h * n * m, n, m, outs + h * m,
-                 heads * m);
+        one_head(xh, x_row, rows, (const int8_t*)ws + h * n * m, n, m, oh, out_row);
         const float* scale = scales->data_ptr<float>() + h * m;
         for (int64_t r = 0; r < rows; ++r) {
-          float* out = outs + (r * heads + h) * m;
-          for (int64_t j = 0; j < m; ++j) out[j] *= scale[j];
+          for (int64_t j = 0; j < m; ++j) oh[r * out_row + j] *= scale[j];
         }
       } else if (bf16) {
-        one_head((const float*)xs + h * n, heads * n, rows, (const uint16_t*)ws + h * n * m, n, m, outs + h * m,
-                 heads * m);
+        one_head(xh, x_row, rows, (const uint16_t*)ws + h * n * m, n, m, oh, out_row);
       } else {
-        one_head((const float*)xs + h * n, heads * n, rows, (const float*)ws + h * n * m, n, m, outs + h * m,
-                 heads * m);
+        one_head(xh, x_row, rows, (const float*)ws + h * n * m, n, m, oh, out_row);
       }
     }
   });
+}
+
+torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optional<torch::Tensor> scales) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [R, nh, n] contiguous float32");
+  check_head_weights(weights, scales);
+  TORCH_CHECK(weights.size(0) == x.size(1) && weights.size(1) == x.size(2), "weights: [nh, n, m] for x [R, nh, n]");
+  const int64_t rows = x.size(0), heads = x.size(1), n = x.size(2), m = weights.size(2);
+  torch::Tensor out = torch::empty({rows, heads, m}, torch::kFloat);
+  head_products_rows(x.data_ptr<float>(), heads * n, n, rows, weights, scales, out.data_ptr<float>(), heads * m, m);
   return out;
 }

@@ -9,3 +9,9 @@
 // x [R, nh, n] float32, weights [nh, n, m] float32, bfloat16 or int8 codes with scales [nh, m] float32 (one a
 // column: w = code * scale) -> [R, nh, m] float32: out[r, h] = x[r, h] @ weights[h].
 torch::Tensor head_products(torch::Tensor x, torch::Tensor weights, c10::optional<torch::Tensor> scales);
+
+// The same on raw rows, for the fused latent layer (w4a8_latent.cpp): head h of row r reads n inputs at
+// x + r * x_row + h * x_head and writes m outputs at out + r * out_row + h * out_head.
+void check_head_weights(const torch::Tensor& weights, const c10::optional<torch::Tensor>& scales);
+void head_products_rows(const float* x, int64_t x_row, int64_t x_head, int64_t rows, const torch::Tensor& weights,
+                        const c10::optional<torch::Tensor>& scales, float* out, int64_t out_row, int64_t out_head);

@@ -12,6 +12,7 @@
 #include "delta_rule.h"
 #include "head_products.h"
 #include "w4a8_kernel.h"
+#include "w4a8_latent.h"
 #include "w4a8_moe.h"
 #include "row_ops.h"
 #include <memory>
@@ -139,6 +140,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>, int64_t, bool,
                     int64_t, int64_t, bool, double>())
       .def("forward", &W4A8MoE::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<W4A8LatentLayer>(m, "LatentLayer", py::module_local())
+      .def(py::init<torch::Tensor, c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>,
+                    c10::optional<W4A8Weight>, W4A8Weight, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                    torch::Tensor, c10::optional<torch::Tensor>, W4A8Weight, torch::Tensor, c10::optional<W4A8Weight>,
+                    c10::optional<W4A8Weight>, std::shared_ptr<W4A8MoE>, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    bool, double, double, double>())
+      .def("forward", &W4A8LatentLayer::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())

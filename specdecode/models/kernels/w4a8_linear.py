@@ -147,7 +147,7 @@ def load_variant(isa: str, quiet: bool = True):
                   flush=True)
         clear_stale_build_lock(f"specdecode_w4a8_{isa}")
         files = ("w4a8_core.cpp", "w4a8_kernel.cpp", "attention.cpp", "delta_rule.cpp", "head_products.cpp",
-                 "w4a8_moe.cpp", "w4a8_layer.cpp")
+                 "w4a8_moe.cpp", "w4a8_latent.cpp", "w4a8_layer.cpp")
         sources = [str(Path(__file__).with_name(name)) for name in files]
         # Hidden symbols: two variants loaded in one process must not call into each other's functions.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *VARIANTS[isa][1]]

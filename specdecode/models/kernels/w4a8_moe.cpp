@@ -124,7 +124,7 @@ void W4A8MoE::route(const float* x, int64_t rows, int64_t* experts, float* weigh
   });
 }
 
-void W4A8MoE::mlp(const float* x, int64_t n, const W4A8Weight& gate_up, const W4A8Weight& down, float* out) {
+void swiglu_rows(const float* x, int64_t n, const W4A8Weight& gate_up, const W4A8Weight& down, float* out) {
   const int64_t inter = gate_up.out_features() / 2;
   std::vector<float> both(n * 2 * inter), act(n * inter);  // [n, 2I], [n, I]
   w4a8_rows(x, n, gate_up, both.data());
@@ -147,7 +147,7 @@ void W4A8MoE::run(const float* x, int64_t rows, float* out, int64_t* chosen) con
     inputs.resize(n * H);
     outputs.resize(n * H);
     for (int64_t j = 0; j < n; ++j) std::copy_n(x + pairs[e][j] / k * H, H, inputs.data() + j * H);
-    mlp(inputs.data(), n, gate_ups_[e], downs_[e], outputs.data());
+    swiglu_rows(inputs.data(), n, gate_ups_[e], downs_[e], outputs.data());
     for (int64_t j = 0; j < n; ++j) {
       const int64_t p = pairs[e][j];
       for (int64_t i = 0; i < H; ++i) products[p * H + i] = outputs[j * H + i] * weights[p];
@@ -163,7 +163,7 @@ void W4A8MoE::run(const float* x, int64_t rows, float* out, int64_t* chosen) con
   }
   if (!shared_gate_up_.has_value()) return;
   std::vector<float> shared(rows * H);  // [R, H]
-  mlp(x, rows, *shared_gate_up_, *shared_down_, shared.data());
+  swiglu_rows(x, rows, *shared_gate_up_, *shared_down_, shared.data());
   for (int64_t r = 0; r < rows; ++r) {  // ungated, a gate of exactly 1
     const float gate = shared_gate_.defined()
         ? 1.f / (1.f + std::exp(-dot(x + r * H, shared_gate_.data_ptr<float>(), H))) : 1.f;
@@ -179,4 +179,24 @@ std::tuple<torch::Tensor, torch::Tensor> W4A8MoE::forward(torch::Tensor x) const
   torch::Tensor experts = torch::empty({rows, k}, torch::kLong);
   run(x.data_ptr<float>(), rows, out.data_ptr<float>(), experts.data_ptr<int64_t>());
   return {out, experts};
+}
+
+int64_t W4A8Feedforward::check(int64_t hidden) const {
+  if (moe) {
+    TORCH_CHECK(!gate_up.has_value() && moe->hidden() == hidden, "experts of the layer's hidden size, alone");
+    return 0;
+  }
+  TORCH_CHECK(gate_up.has_value() && down.has_value(), "a dense MLP needs gate_up and down");
+  const int64_t inter = gate_up->out_features() / 2;
+  TORCH_CHECK(gate_up->in_features() == hidden && down->in_features() == inter && down->out_features() == hidden &&
+              inter % 16 == 0, "MLP shapes do not match the layer's");
+  return inter;
+}
+
+void W4A8Feedforward::run(const float* x, int64_t rows, float* out) const {
+  if (moe) {
+    moe->run(x, rows, out);
+  } else {
+    swiglu_rows(x, rows, *gate_up, *down, out);
+  }
 }

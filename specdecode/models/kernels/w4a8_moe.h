@@ -3,7 +3,12 @@
 // w4a8_layer.cpp binds it alone and inside a fused decoder layer.
 #pragma once
 #include "w4a8_kernel.h"
+#include <memory>
 #include <vector>
+
+// out [n, H] = silu(x gate_up[:I]) * (x gate_up[I:]) down, for n rows x [n, H]: a SwiGLU MLP, an expert's or a
+// dense layer's.
+void swiglu_rows(const float* x, int64_t n, const W4A8Weight& gate_up, const W4A8Weight& down, float* out);
 
 // How a router turns its logits into k experts and their weights (decoder/moe.py, MoEConfig).
 struct Routing {
@@ -35,12 +40,18 @@ class W4A8MoE {
  private:
   // experts [R, k] (each row's slots, best first) and weights [R, k] for x [R, H].
   void route(const float* x, int64_t rows, int64_t* experts, float* weights) const;
-  // out [n, H] = silu(x gate_up[:I]) * (x gate_up[I:]) down, for n rows x [n, H].
-  static void mlp(const float* x, int64_t n, const W4A8Weight& gate_up, const W4A8Weight& down, float* out);
-
   torch::Tensor router_, score_bias_, shared_gate_;  // float32; the last two undefined where a family has none
   std::vector<W4A8Weight> gate_ups_, downs_;
   c10::optional<W4A8Weight> shared_gate_up_, shared_down_;
   Routing routing_;
   int64_t hidden_, num_experts_;
+};
+
+// A fused layer's MLP: a dense SwiGLU (gate_up and down) or a mixture of experts (moe).
+struct W4A8Feedforward {
+  c10::optional<W4A8Weight> gate_up, down;
+  std::shared_ptr<W4A8MoE> moe;
+  // The checks a layer of hidden size `hidden` needs; -> the dense MLP's width (0 for experts).
+  int64_t check(int64_t hidden) const;
+  void run(const float* x, int64_t rows, float* out) const;  // out [R, H] for x [R, H]
 };

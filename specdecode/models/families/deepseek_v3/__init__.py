@@ -14,6 +14,7 @@ from specdecode.models.families.deepseek_v3.gguf import LatentLayout
 from specdecode.models.families.deepseek_v3.kernels import fix_latent_layers, latent_batch_invariant
 from specdecode.models.families.deepseek_v3.trunk import LatentTransformer
 from specdecode.models.families.registry import register_family
+from specdecode.models.kernels.w4a8_latent import fuse_latent_layers
 from specdecode.models.kernels.w4a8_moe import fuse_moe_blocks
 from specdecode.models.model_config import ModelConfig
 
@@ -62,10 +63,12 @@ class DeepseekV3Family(ModelFamily):
         return LatentTransformer(model_config)
 
     def fuse_w4a8(self, model: LatentTransformer) -> None:
-        # No fused C++ layer runs latent attention: the fixed-order form runs it over the w4a8 matmuls, with its
-        # per-head weights in int8, and the mixtures of experts run compiled (kernels/w4a8_moe.py).
+        # The mixtures of experts compiled (kernels/w4a8_moe.py), every latent attention in its fixed-order form
+        # with its per-head weights in int8 (the MTP modules' stay so), then the trunk's layers fused whole where
+        # they can be (kernels/w4a8_latent.py).
         fuse_moe_blocks(model)
-        fix_latent_layers(model, int8_heads=True)
+        if fix_latent_layers(model, int8_heads=True) is None:
+            fuse_latent_layers(model)
 
     def fix_float(self, model: LatentTransformer) -> str | None:
         return fix_latent_layers(model)
