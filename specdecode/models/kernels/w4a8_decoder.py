@@ -65,12 +65,13 @@ def fuse_layers(model: Transformer) -> None:
         return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)
 
     def feedforward(mlp: nn.Module) -> tuple | None:
-        """The kernel's arguments for a layer's MLP: its two w4a8 weights, or a compiled mixture of experts."""
+        """The kernel's arguments for a layer's MLP (gate_up, down, experts): its two w4a8 weights, or a compiled
+        mixture of experts."""
         if isinstance(mlp, MoEBlock):
             moe = moe_kernel(mlp)
-            return None if moe is None else (moe,)
+            return None if moe is None else (None, None, moe)
         if all(isinstance(linear, W4A8Linear) for linear in (mlp.gate_up, mlp.down)):
-            return weight(mlp.gate_up), weight(mlp.down)
+            return weight(mlp.gate_up), weight(mlp.down), None
         return None
 
     feedforwards = [feedforward(layer.mlp) for layer in layers]

@@ -20,33 +20,19 @@
 
 class W4A8DecoderLayer {
  public:
+  // The MLP: a dense one (gate_up and down) or a mixture of experts (moe), as W4A8Feedforward.
   W4A8DecoderLayer(torch::Tensor attn_norm, W4A8Weight qkv, W4A8Weight o, torch::Tensor mlp_norm,
-                   W4A8Weight gate_up, W4A8Weight down, c10::optional<torch::Tensor> q_norm,
-                   c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : attn_norm_(floats(attn_norm)), mlp_norm_(floats(mlp_norm)), qkv_(qkv), o_(o), gate_up_(gate_up),
-        down_(down), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_((float)eps) {
-    hidden_ = attn_norm_.numel();
-    inter_ = gate_up.out_features() / 2;
-    TORCH_CHECK(hidden_ % 16 == 0 && dim_ % 16 == 0 && inter_ % 16 == 0 && heads_ % kv_heads_ == 0,
-                "hidden size, head size and intermediate size must be multiples of 16");
-    TORCH_CHECK(qkv.in_features() == hidden_ && qkv.out_features() == (heads_ + 2 * kv_heads_) * dim_ &&
-                o.in_features() == heads_ * dim_ && o.out_features() == hidden_ && gate_up.in_features() == hidden_ &&
-                down.in_features() == inter_ && down.out_features() == hidden_, "layer shapes do not match");
-    if (q_norm.has_value()) q_norm_ = floats(*q_norm);
-    if (k_norm.has_value()) k_norm_ = floats(*k_norm);
-  }
-
-  // The same attention, with a mixture of experts for the MLP.
-  W4A8DecoderLayer(torch::Tensor attn_norm, W4A8Weight qkv, W4A8Weight o, torch::Tensor mlp_norm,
-                   std::shared_ptr<W4A8MoE> moe, c10::optional<torch::Tensor> q_norm,
-                   c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : attn_norm_(floats(attn_norm)), mlp_norm_(floats(mlp_norm)), qkv_(qkv), o_(o), moe_(std::move(moe)),
-        heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(attn_norm_.numel()), inter_(0),
-        eps_((float)eps) {
-    TORCH_CHECK(hidden_ % 16 == 0 && dim_ % 16 == 0 && heads_ % kv_heads_ == 0 && moe_->hidden() == hidden_,
-                "hidden size and head size must be multiples of 16, and the experts' hidden size the layer's");
+                   c10::optional<W4A8Weight> gate_up, c10::optional<W4A8Weight> down, std::shared_ptr<W4A8MoE> moe,
+                   c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim, double eps)
+      : attn_norm_(floats(attn_norm)), mlp_norm_(floats(mlp_norm)), qkv_(qkv), o_(o),
+        feedforward_{gate_up, down, std::move(moe)}, heads_(heads), kv_heads_(kv_heads), dim_(head_dim),
+        hidden_(attn_norm_.numel()), eps_((float)eps) {
+    TORCH_CHECK(hidden_ % 16 == 0 && dim_ % 16 == 0 && heads_ % kv_heads_ == 0,
+                "hidden size and head size must be multiples of 16");
     TORCH_CHECK(qkv.in_features() == hidden_ && qkv.out_features() == (heads_ + 2 * kv_heads_) * dim_ &&
                 o.in_features() == heads_ * dim_ && o.out_features() == hidden_, "layer shapes do not match");
+    feedforward_.check(hidden_);
     if (q_norm.has_value()) q_norm_ = floats(*q_norm);
     if (k_norm.has_value()) k_norm_ = floats(*k_norm);
   }
@@ -85,14 +71,7 @@ class W4A8DecoderLayer {
     add_into(residual, projected.data_ptr<float>(), rows * hidden_);
 
     rms_norm(residual, rows, hidden_, mlp_norm_.data_ptr<float>(), eps_, normed.data_ptr<float>());
-    if (moe_) {
-      moe_->run(normed.data_ptr<float>(), rows, projected.data_ptr<float>());
-    } else {
-      torch::Tensor gate_up = buffer(rows, 2 * inter_), act = buffer(rows, inter_);
-      w4a8_rows(normed.data_ptr<float>(), rows, gate_up_, gate_up.data_ptr<float>());
-      silu_times_up(gate_up.data_ptr<float>(), rows, inter_, act.data_ptr<float>());
-      w4a8_rows(act.data_ptr<float>(), rows, down_, projected.data_ptr<float>());
-    }
+    feedforward_.run(normed.data_ptr<float>(), rows, projected.data_ptr<float>());
     add_into(residual, projected.data_ptr<float>(), rows * hidden_);
     return out;
   }
@@ -118,9 +97,9 @@ class W4A8DecoderLayer {
   }
 
   torch::Tensor attn_norm_, mlp_norm_, q_norm_, k_norm_;  // float32 weights; q/k norms undefined unless Qwen3
-  W4A8Weight qkv_, o_, gate_up_, down_;  // gate_up_ and down_ unset where moe_ runs the MLP
-  std::shared_ptr<W4A8MoE> moe_;
-  int64_t heads_, kv_heads_, dim_, hidden_, inter_;
+  W4A8Weight qkv_, o_;
+  W4A8Feedforward feedforward_;
+  int64_t heads_, kv_heads_, dim_, hidden_;
   float eps_;
 };
 
@@ -148,9 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     bool, double, double, double>())
       .def("forward", &W4A8LatentLayer::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<W4A8DecoderLayer>(m, "DecoderLayer", py::module_local())
-      .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, W4A8Weight, W4A8Weight,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
-      .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, std::shared_ptr<W4A8MoE>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def(py::init<torch::Tensor, W4A8Weight, W4A8Weight, torch::Tensor, c10::optional<W4A8Weight>,
+                    c10::optional<W4A8Weight>, std::shared_ptr<W4A8MoE>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double>())
       .def("forward", &W4A8DecoderLayer::forward, py::call_guard<py::gil_scoped_release>());
 }
