@@ -22,6 +22,8 @@ distribution test runs every configuration on Qwen2 and a subset on the others (
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 import pytest
 import torch
 from batched_runs import run_batched
@@ -111,8 +113,8 @@ def target_with_mtp(folder, arch: str, **overrides):
 @pytest.fixture(scope="module", params=["qwen2", "qwen3_5", "gemma4"])
 def pair(request, tmp_path_factory):
     """The target (shipping an MTP module), a noisy Qwen2 as the draft model (for the Qwen2 and Gemma 4 targets a
-    noisy copy of it), the target's folder, and the folders of drafters with weights of their own (an EAGLE-3 head, a DFlash
-    and a DSpark drafter) for it."""
+    noisy copy of it), the target's folder, and the folders of drafters with weights of their own (an EAGLE-3 head,
+    a DFlash and a DSpark drafter) for it."""
     root = tmp_path_factory.mktemp(f"contract-{request.param}")
     target = load_model(target_with_mtp(root / "target", request.param), dtype="float32")
     if request.param == "gemma4":  # a noisy copy of it (a Qwen2's drafts it never accepts)
@@ -172,15 +174,17 @@ def coupled_spec(method: str, options: dict, k: int) -> SpecConfig:
     return SpecConfig(method, num_draft_tokens=k, options=options, combine="best", verification="coupled")
 
 
-PLAIN_SAMPLED: dict[tuple[int, str, int], list[int]] = {}  # (id of the engine, prompt, seed) -> plain output
+# engine -> (prompt, seed) -> plain output. Keyed by the engine itself, held weakly: an id would be reused by the
+# next family's engine once this one is freed, and hand it another model's tokens.
+PLAIN_SAMPLED: WeakKeyDictionary[Engine, dict[tuple[str, int], list[int]]] = WeakKeyDictionary()
 
 
 def plain_sampled(engine: Engine, prompt: str, seed: int) -> list[int]:
     """Plain decoding of `prompt` at `seed` under the coupled rule, once per engine (every configuration compares)."""
-    key = (id(engine), prompt, seed)
-    if key not in PLAIN_SAMPLED:
-        PLAIN_SAMPLED[key] = engine.complete(prompt, coupled(seed), coupled_spec("none", {}, 1)).token_ids
-    return PLAIN_SAMPLED[key]
+    known = PLAIN_SAMPLED.setdefault(engine, {})
+    if (prompt, seed) not in known:
+        known[prompt, seed] = engine.complete(prompt, coupled(seed), coupled_spec("none", {}, 1)).token_ids
+    return known[prompt, seed]
 
 
 @pytest.mark.parametrize(("method", "options"), CONFIGS, ids=IDS)
