@@ -75,7 +75,7 @@ def qwen3moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...
 def glm4moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
     """(llama.cpp's name, torch shape, type) of every tensor of a glm4moe file (GLM-4.5-Air's layout: q, k and v
     biases, no q/k norms, the first layer dense, one shared expert, the selection bias)."""
-    hidden, head, experts, width = shape["hidden"], shape["head_dim"], shape["experts"], shape["expert_width"]
+    hidden, head = shape["hidden"], shape["head_dim"]
     q, kv = shape["heads"] * head, shape["kv_heads"] * head
     tensors = [("token_embd.weight", (shape["vocab"], hidden), F16), ("output_norm.weight", (hidden,), F32),
                ("output.weight", (shape["vocab"], hidden), F16)]
@@ -110,7 +110,7 @@ def sparse_ffn(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
 def deepseek2_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
     """(llama.cpp's name, torch shape, type) of every tensor of a deepseek2 file (GLM-4.7-Flash's layout: the
     first layer dense, kv_b split into attn_k_b [nh, C, nope] and attn_v_b [nh, v, C])."""
-    hidden, heads, experts, width = shape["hidden"], shape["heads"], shape["experts"], shape["expert_width"]
+    hidden, heads = shape["hidden"], shape["heads"]
     nope, rope, v, latent, q_lora = shape["nope"], shape["rope"], shape["v"], shape["kv_lora"], shape["q_lora"]
     tensors = [("token_embd.weight", (shape["vocab"], hidden), F16), ("output_norm.weight", (hidden,), F32),
                ("output.weight", (shape["vocab"], hidden), F16)]

@@ -193,7 +193,8 @@ class LatentAttention(nn.Module):
         batch, new, heads, nope = q_nope.shape
         width, latent = self.mla.width, self.mla.kv_lora_rank
         q_nope = q_nope.reshape(batch * new, heads, nope).float().contiguous()  # [B*T, nh, nope]
-        q_latent = self.head_products(q_nope, self.key_weights, self.key_scales).view(batch, new, heads, latent)  # [B, T, nh, C] float32
+        q_latent = self.head_products(q_nope, self.key_weights, self.key_scales)  # [B*T, nh, C] float32
+        q_latent = q_latent.view(batch, new, heads, latent)  # [B, T, nh, C]
         # The kernel scales scores by width^-0.5: the query carries the rest of the softmax scale.
         query = torch.cat([q_latent, q_rope.float()], dim=-1) * (self.scale * math.sqrt(width))  # [B, T, nh, W]
         # One key head and one value head, both the cached row (the kernel writes it twice, to the same slot).

@@ -25,6 +25,7 @@ def attention_unavailable(device: torch.device, dtype: torch.dtype, head_dim: in
 def layer_linears(layer: nn.Module) -> list[nn.Module]:
     """Every matmul of a layer that PyTorch runs, whatever its kind (nn.Linear, packed, quantized: each has
     in_features); not those of a compiled mixture of experts, which runs them itself (w4a8_moe.py)."""
-    compiled = {id(module) for block in layer.modules() if isinstance(block, W4A8MoEBlock) for module in block.modules()}
+    compiled = {id(module) for block in layer.modules() if isinstance(block, W4A8MoEBlock)
+                for module in block.modules()}
     return [module for module in layer.modules()
             if hasattr(module, "in_features") and not list(module.children()) and id(module) not in compiled]

@@ -26,7 +26,7 @@ from specdecode.models.kernels.float_decoder import fix_float_layers
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 from specdecode.models.kernels.w4a8_moe import fuse_moe_blocks, moe_kernel
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 
 
 class W4A8DecoderLayer(DecoderLayer):
@@ -56,7 +56,7 @@ def fuse_layers(model: Transformer) -> None:
     if not attention or not all(isinstance(m, W4A8Linear) for m in attention):
         return
     # The C++ rope turns whole heads: partial rotary (GLM-4.5) keeps the PyTorch attention.
-    if (model.dtype not in _CACHE_DTYPES or config.head_dim % 16  # w4a8 shapes already make the other sizes fit
+    if (model.dtype not in CACHE_DTYPES or config.head_dim % 16  # w4a8 shapes already make the other sizes fit
             or config.rotary_dim not in (None, config.head_dim)):
         return
     kernel = load_kernel()

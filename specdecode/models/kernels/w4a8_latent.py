@@ -20,22 +20,14 @@ from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.layers import MLP, DecoderLayer
 from specdecode.models.decoder.mla import LatentAttention
 from specdecode.models.decoder.transformer import Transformer
+from specdecode.models.kernels.w4a8_decoder import CACHE_DTYPES, W4A8DecoderLayer
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 from specdecode.models.kernels.w4a8_moe import W4A8MoEBlock
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ attention reads and writes
 
-
-class W4A8LatentDecoderLayer(DecoderLayer):
-    """A latent-attention decoder layer whose whole forward is one C++ call; the same submodules as the layer it
-    replaces, so saved weights keep their names."""
-
-    rope_dtype = torch.float32  # the C++ rope reads float32 cos/sin
-
-    def __init__(self, layer: DecoderLayer, kernel_layer):
-        nn.Module.__init__(self)
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp
-        self.kernel_layer = kernel_layer  # the compiled layer: it holds the weights' packed tensors
+class W4A8LatentDecoderLayer(W4A8DecoderLayer):
+    """A latent-attention decoder layer whose whole forward is one C++ call: as the Llama-style fused layer (the
+    same submodules as the layer it replaces, float32 cos/sin), over a latent cache."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch,
                 index: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +42,7 @@ def fuse_latent_layers(model: Transformer) -> None:
     `finish_loading`, which builds the cos/sin table in the dtype the layers want."""
     config, layers = model.config, model.layers
     mla = config.mla
-    if (model.dtype not in _CACHE_DTYPES or config.hidden_size % 16 or mla.kv_lora_rank % 16 or mla.width % 16
+    if (model.dtype not in CACHE_DTYPES or config.hidden_size % 16 or mla.kv_lora_rank % 16 or mla.width % 16
             or (mla.q_lora_rank or 0) % 16):
         return
     kernel = load_kernel()
