@@ -61,9 +61,6 @@ def fuse_layers(model: Transformer) -> None:
         return
     kernel = load_kernel()
 
-    def weight(linear: W4A8Linear):
-        return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)
-
     def feedforward(mlp: nn.Module) -> tuple | None:
         """The kernel's arguments for a layer's MLP (gate_up, down, experts): its two w4a8 weights, or a compiled
         mixture of experts."""
@@ -71,7 +68,7 @@ def fuse_layers(model: Transformer) -> None:
             moe = moe_kernel(mlp)
             return None if moe is None else (None, None, moe)
         if all(isinstance(linear, W4A8Linear) for linear in (mlp.gate_up, mlp.down)):
-            return weight(mlp.gate_up), weight(mlp.down), None
+            return mlp.gate_up.kernel_weight(), mlp.down.kernel_weight(), None
         return None
 
     feedforwards = [feedforward(layer.mlp) for layer in layers]
@@ -86,7 +83,7 @@ def fuse_layers(model: Transformer) -> None:
 
     model.layers = nn.ModuleList(
         W4A8DecoderLayer(layer, kernel.DecoderLayer(
-            layer.attn_norm.weight.detach(), weight(layer.attn.qkv), weight(layer.attn.o),
+            layer.attn_norm.weight.detach(), layer.attn.qkv.kernel_weight(), layer.attn.o.kernel_weight(),
             layer.mlp_norm.weight.detach(), *mlp, norm_weight(layer.attn.q_norm), norm_weight(layer.attn.k_norm),
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps))
         for layer, mlp in zip(layers, feedforwards, strict=True))

@@ -14,6 +14,9 @@ struct W4A8Weight {
 W4A8Weight make_weight(torch::Tensor codes, torch::Tensor group_scales, torch::Tensor block_scales,
                        c10::optional<torch::Tensor> bias);
 
+// A norm's or router's weights as the fused code reads them: a float32 contiguous copy (or t itself).
+inline torch::Tensor floats(const torch::Tensor& t) { return t.detach().to(torch::kFloat).contiguous(); }
+
 // out [M, N] = x [M, K] (float32, contiguous rows) times the weight, plus the bias; threads split the tiles.
 void w4a8_rows(const float* x, int64_t M, const W4A8Weight& weight, float* out);
 

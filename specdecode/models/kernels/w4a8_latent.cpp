@@ -8,8 +8,6 @@
 
 namespace {
 
-torch::Tensor floats(const torch::Tensor& t) { return t.detach().to(torch::kFloat).contiguous(); }
-
 torch::Tensor buffer(int64_t rows, int64_t n) { return torch::empty({rows, n}, torch::kFloat); }
 
 }  // namespace

@@ -46,14 +46,14 @@ def fuse_latent_layers(model: Transformer) -> None:
             or (mla.q_lora_rank or 0) % 16):
         return
     kernel = load_kernel()
-    arguments = [_layer_arguments(kernel, layer) for layer in layers]
+    arguments = [_layer_arguments(layer) for layer in layers]
     if any(each is None for each in arguments):
         return
     model.layers = nn.ModuleList(W4A8LatentDecoderLayer(layer, kernel.LatentLayer(*each))
                                  for layer, each in zip(layers, arguments, strict=True))
 
 
-def _layer_arguments(kernel, layer: DecoderLayer) -> tuple | None:
+def _layer_arguments(layer: DecoderLayer) -> tuple | None:
     """The kernel's LatentLayer arguments for `layer`, or None where something in it cannot run fused."""
     attn: LatentAttention = layer.attn
     if attn.attend is None:  # no fixed-order form: the per-head weights are not laid out
@@ -66,18 +66,14 @@ def _layer_arguments(kernel, layer: DecoderLayer) -> tuple | None:
     if isinstance(mlp, W4A8MoEBlock):
         feedforward = (None, None, mlp.kernel_block)
     elif isinstance(mlp, MLP) and isinstance(mlp.gate_up, W4A8Linear) and isinstance(mlp.down, W4A8Linear):
-        feedforward = (_weight(kernel, mlp.gate_up), _weight(kernel, mlp.down), None)
+        feedforward = (mlp.gate_up.kernel_weight(), mlp.down.kernel_weight(), None)
     else:
         return None
     mla = attn.mla
-    query = ((None, _weight(kernel, attn.q_a), attn.q_a_norm.weight.detach(), _weight(kernel, attn.q_b))
-             if low_rank else (_weight(kernel, attn.q), None, None, None))
-    return (layer.attn_norm.weight.detach(), *query, _weight(kernel, attn.kv_a), attn.kv_a_norm.weight.detach(),
-            attn.key_weights, attn.key_scales, attn.value_weights, attn.value_scales, _weight(kernel, attn.o),
+    query = ((None, attn.q_a.kernel_weight(), attn.q_a_norm.weight.detach(), attn.q_b.kernel_weight())
+             if low_rank else (attn.q.kernel_weight(), None, None, None))
+    return (layer.attn_norm.weight.detach(), *query, attn.kv_a.kernel_weight(), attn.kv_a_norm.weight.detach(),
+            attn.key_weights, attn.key_scales, attn.value_weights, attn.value_scales, attn.o.kernel_weight(),
             layer.mlp_norm.weight.detach(), *feedforward, attn.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
             mla.kv_lora_rank, mla.v_head_dim, mla.rope_interleave, attn.scale * math.sqrt(mla.width),
             layer.attn_norm.eps, mla.latent_norm_eps)
-
-
-def _weight(kernel, linear: W4A8Linear):
-    return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)

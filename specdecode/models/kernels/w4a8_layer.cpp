@@ -77,8 +77,6 @@ class W4A8DecoderLayer {
   }
 
  private:
-  static torch::Tensor floats(const torch::Tensor& t) { return t.detach().to(torch::kFloat).contiguous(); }
-
   static void add_into(float* target, const float* addend, int64_t n) {
     for (int64_t i = 0; i < n; ++i) target[i] += addend[i];
   }

@@ -305,6 +305,10 @@ class W4A8Linear(nn.Module):
             parts.append(pack_tiles(*searched_groups(rows, bits, W4A8_GROUP), bits=bits))
         return cls(*(torch.cat(part) for part in zip(*parts)), bias)
 
+    def kernel_weight(self):
+        """This layer's tensors as the compiled extension's Weight, for the fused layers and blocks that hold it."""
+        return (_kernel or load_kernel()).weight(self.codes, self.group_scales, self.block_scales, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [R, K]: the kernel reads float32 rows
         kernel = _kernel or load_kernel()

@@ -16,8 +16,6 @@
 
 namespace {
 
-torch::Tensor floats(const torch::Tensor& t) { return t.detach().to(torch::kFloat).contiguous(); }
-
 // The sum of x [n] times w [n] in a fixed order (n a multiple of 16).
 float dot(const float* x, const float* w, int64_t n) {
   F16 sums = set16(0.f);

@@ -46,18 +46,15 @@ def moe_kernel(block: MoEBlock):
         return None
     kernel, moe, router = load_kernel(), block.router.moe, block.router
 
-    def weight(linear: W4A8Linear):
-        return kernel.weight(linear.codes, linear.group_scales, linear.block_scales, linear.bias)
-
     def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.detach().float()
 
     shared: MLP | None = block.shared
     router.in_kernel = True  # its logits run in the kernel: nothing to pack for oneDNN (pack_routers)
     return kernel.MoE(
-        detached(router.weight), detached(router.score_bias), [weight(e.gate_up) for e in block.experts],
-        [weight(e.down) for e in block.experts], None if shared is None else weight(shared.gate_up),
-        None if shared is None else weight(shared.down),
+        detached(router.weight), detached(router.score_bias), [e.gate_up.kernel_weight() for e in block.experts],
+        [e.down.kernel_weight() for e in block.experts], None if shared is None else shared.gate_up.kernel_weight(),
+        None if shared is None else shared.down.kernel_weight(),
         None if block.shared_gate is None else float_weight(block.shared_gate).flatten(),
         moe.experts_per_token, moe.scoring == "sigmoid", moe.groups, moe.groups_kept, moe.renormalize,
         moe.scaling)
