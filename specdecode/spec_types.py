@@ -67,13 +67,16 @@ class ChoiceRecord:
     promised_seconds: float = 0.0  # expected drafting + verify seconds
     tokens: int = 0  # committed tokens
     seconds: float = 0.0  # the steps' wall time from the first proposal to the commit
+    drafted: int = 0  # draft depths verified (a mixture of experts' target prices each: step_choice.best_depth)
 
-    def add(self, promised_tokens: float, promised_seconds: float, tokens: int, seconds: float) -> None:
+    def add(self, promised_tokens: float, promised_seconds: float, tokens: int, seconds: float,
+            drafted: int = 0) -> None:
         self.steps += 1
         self.promised_tokens += promised_tokens
         self.promised_seconds += promised_seconds
         self.tokens += tokens
         self.seconds += seconds
+        self.drafted += drafted
 
     def merge(self, other: ChoiceRecord) -> None:
         self.steps += other.steps
@@ -81,6 +84,7 @@ class ChoiceRecord:
         self.promised_seconds += other.promised_seconds
         self.tokens += other.tokens
         self.seconds += other.seconds
+        self.drafted += other.drafted
 
     def to_dict(self) -> dict:
         """Steps, and tokens per second promised against realised."""
@@ -89,7 +93,8 @@ class ChoiceRecord:
                 if self.promised_seconds else None,
                 "realised_tokens_per_second": round(self.tokens / self.seconds, 2) if self.seconds else None,
                 "promised_tokens_per_step": round(self.promised_tokens / self.steps, 3) if self.steps else None,
-                "realised_tokens_per_step": round(self.tokens / self.steps, 3) if self.steps else None}
+                "realised_tokens_per_step": round(self.tokens / self.steps, 3) if self.steps else None,
+                "mean_draft_depth": round(self.drafted / self.steps, 3) if self.steps else None}
 
 
 @dataclass

@@ -101,13 +101,13 @@ def choice_lines(summaries: dict[str, dict]) -> list[str]:
     """Per-step choice, per combination and member chosen: its steps and what it promised against what it gave."""
     rows = [f"| {name} | {member} | {c['steps']} | {_cell(c['promised_tokens_per_step'], '{:.2f}')} | "
             f"{_cell(c['realised_tokens_per_step'], '{:.2f}')} | {_cell(c['promised_tokens_per_second'], '{:.1f}')} | "
-            f"{_cell(c['realised_tokens_per_second'], '{:.1f}')} |"
+            f"{_cell(c['realised_tokens_per_second'], '{:.1f}')} | {_cell(c.get('mean_draft_depth'), '{:.2f}')} |"
             for name, summary in summaries.items() for member, c in (summary.get("choices") or {}).items()]
     if not rows:
         return []
     return ["", "## Per-step choice: promised against realised", "",
-            "| method | chosen | steps | tokens/step promised | realised | tokens/s promised | realised |",
-            "|---|---|---|---|---|---|---|", *rows]
+            "| method | chosen | steps | tokens/step promised | realised | tokens/s promised | realised | draft depth |",
+            "|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _cell(value, fmt: str) -> str:

@@ -19,6 +19,7 @@ from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
 from specdecode.drafters.step_choice import StepChooser, rate
+from specdecode.models.decoder.moe import ExpertTally
 from specdecode.spec_types import ChoiceRecord, DraftProposal, Sequence, TargetOutput, VerifyResult
 
 if TYPE_CHECKING:
@@ -37,9 +38,10 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     name = "combination"
     clock = staticmethod(perf_counter)  # tests script it
 
-    def __init__(self, members: list[Drafter], combine: str = "first"):
+    def __init__(self, members: list[Drafter], combine: str = "first", tally: ExpertTally | None = None):
+        """tally: the target's count of the experts its forwards read, where it has experts (verify_cost.py)."""
         self.members = members
-        self.chooser = StepChooser([m.name for m in members]) if combine == "best" else None
+        self.chooser = StepChooser([m.name for m in members], tally) if combine == "best" else None
         caps = [m.caps for m in members]
         self.caps = DrafterCaps(hidden_layers=tuple(sorted({i for c in caps for i in c.hidden_layers})),
                                 final_hidden=any(c.final_hidden for c in caps),
@@ -125,7 +127,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
             for group in asks.values():
                 chosen = rankings[group[0]][0]
                 for i, proposal in zip(group, self._timed_propose_many(chosen.member, [seqs[i] for i in group],
-                                                                        [budgets[i] for i in group])):
+                                                                        [rankings[i][0].depth for i in group])):
                     if proposal.size:
                         proposals[i], promised[i] = proposal, (chosen.member.name, *rankings[i][0].expected)
                         del rankings[i]
@@ -144,9 +146,12 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         candidates = []
         for member in self.members:
             if member.caps.emits_probs:
-                seconds = self.chooser.drafting_seconds(member.name, budget) + self._start_share(member, seq, budget)
-                candidates.append(Candidate(member, None, self.chooser.expected(member.name, budget, budget,
-                                                                                 seconds)))
+                def seconds(depth: int, member: Drafter = member) -> float:
+                    return self.chooser.drafting_seconds(member.name, depth) + self._start_share(member, seq, depth)
+
+                depth = self.chooser.best_depth(member.name, budget, seconds)
+                candidates.append(Candidate(member, None, self.chooser.expected(member.name, depth, depth,
+                                                                                 seconds(depth)), depth))
                 continue
             proposal = self._timed_propose_many(member, [seq], [budget])[0]
             if proposal.size:
@@ -203,7 +208,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 if choice is not None:
                     name, tokens, seconds = choice
                     seq.choices.setdefault(name, ChoiceRecord()).add(tokens, seconds, len(result.tokens),
-                                                                     now - began)
+                                                                     now - began, depth)
         for member in self.members:
             member.commit(seq, result, target)
 
@@ -241,6 +246,7 @@ class Candidate:
     member: Drafter
     proposal: DraftProposal | None
     expected: tuple[float, float]
+    depth: int = 0  # how deep to ask a sampling member to draft (StepChooser.best_depth); 0 for a lookup's
 
     @property
     def promise(self) -> float:
@@ -258,4 +264,6 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
         if key not in members:
             members[key] = create_member(cls, spec, resources)
         chosen.append(members[key])
-    return chosen[0] if len(chosen) == 1 else CombinationDrafter(chosen, spec.combine)
+    if len(chosen) == 1:
+        return chosen[0]
+    return CombinationDrafter(chosen, spec.combine, ExpertTally.of(resources.target.model))

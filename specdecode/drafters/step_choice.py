@@ -5,7 +5,9 @@ llama.cpp's rule (combine="first") lets the first member with a proposal win, so
 draft model even where the draft model would have been accepted more often. Here each member's promise is
 (expected accepted tokens + 1) / (its drafting time still to spend + the verify forward's time), from online
 estimates kept for the Engine's life: acceptance by draft position per member, drafting seconds per drafted
-token per member, and verify seconds as a line in the number of drafted nodes.
+token per member, and verify seconds as a line in the number of drafted nodes, or on a mixture of experts in the
+distinct experts those rows touch (verify_cost.py). There a sampling member is also asked for the depth that
+promises the most (best_depth): each drafted row can add experts for the verify forward to read.
 
 Doing nothing is a candidate too: when no member promises more than a step without drafts (1 token over the
 verify line's cost at 0 nodes), the step drafts nothing, and counts as "chooser_plain" in the stats.
@@ -27,7 +29,14 @@ asked every step, and are judged on the proposal they made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specdecode.drafters.verify_cost import VerifyCost
+
+if TYPE_CHECKING:
+    from specdecode.models.decoder.moe import ExpertTally
 
 PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind that prior
@@ -75,37 +84,12 @@ def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else float("inf")
 
 
-class VerifyCost:
-    """Seconds of a verify step as a + b * nodes, fitted by exponentially weighted least squares."""
-
-    def __init__(self) -> None:
-        self.weight = self.nodes = self.seconds = self.nodes_sq = self.nodes_seconds = 0.0
-
-    def observe(self, nodes: int, seconds: float) -> None:
-        keep = 1 - COST_SMOOTHING
-        self.weight = keep * self.weight + 1
-        self.nodes = keep * self.nodes + nodes
-        self.seconds = keep * self.seconds + seconds
-        self.nodes_sq = keep * self.nodes_sq + nodes * nodes
-        self.nodes_seconds = keep * self.nodes_seconds + nodes * seconds
-
-    def predict(self, nodes: int) -> float:
-        if self.weight == 0:
-            return 0.0
-        mean_nodes, mean_seconds = self.nodes / self.weight, self.seconds / self.weight
-        variance = self.nodes_sq / self.weight - mean_nodes**2
-        # One node count seen so far: no slope to fit, every size costs the mean (rows are cheap next to weights).
-        covariance = self.nodes_seconds / self.weight - mean_nodes * mean_seconds
-        slope = max(0.0, covariance / variance) if variance > 1e-6 else 0.0
-        return max(0.0, mean_seconds + slope * (nodes - mean_nodes))
-
-
 class StepChooser:
     """The estimates behind the choice, for one combination of one Engine (shared by its requests)."""
 
-    def __init__(self, members: list[str]) -> None:
+    def __init__(self, members: list[str], tally: ExpertTally | None = None) -> None:
         self.members = {name: MemberEstimate() for name in members}
-        self.verify = VerifyCost()
+        self.verify = VerifyCost(tally)
 
     def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
         """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
@@ -114,6 +98,25 @@ class StepChooser:
     def promise(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> float:
         """Committed tokens per second a proposal `depth` deep with `nodes` nodes is expected to give."""
         return rate(*self.expected(member, depth, nodes, draft_seconds_left))
+
+    def best_depth(self, member: str, budget: int, drafting_seconds: Callable[[int], float]) -> int:
+        """How deep to ask a sampling member to draft (at most `budget`): the depth whose expected committed tokens
+        per second are highest, drafting `depth` tokens costing drafting_seconds(depth). Only where verification
+        is priced by the experts it touches (verify_cost.py): there each drafted row may add experts to read, so
+        a deeper draft can cost more than it brings. A dense target's verify line is nearly flat in its rows, and
+        its draft length stays the engine's (draft_length.py, the speed guard)."""
+        if budget <= 1 or not self.verify.priced_by_experts:
+            return budget
+        def promise(depth: int) -> float:
+            return self.promise(member, depth, depth, drafting_seconds(depth))
+
+        best = max(range(1, budget + 1), key=lambda depth: (promise(depth), depth))
+        # A position never drafted keeps the prior acceptance, which can hide a depth that pays: one position
+        # deeper is tried, where it still beats a plain step, while the next position has too little evidence
+        # (evidence decays, so now and then again).
+        examined = self.members[member].examined
+        unexplored = best < budget and (best >= len(examined) or examined[best] < MIN_EVIDENCE)
+        return best + 1 if unexplored and promise(best + 1) >= self.plain_promise() else best
 
     def plain_promise(self) -> float:
         """Committed tokens per second of a step without drafts (0 until a verify step was timed)."""

@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny_model
 from test_w4a8_linear import each_variant
 
-from specdecode.models.decoder.moe import MoEBlock
+from specdecode.models.decoder.moe import ExpertTally, MoEBlock
 from specdecode.models.families import family_of
 from specdecode.models.kernels import w4a8_linear
 from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
@@ -76,3 +76,24 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(model):
     for i in range(len(rows)):
         alone, _ = kernel.forward(rows[i : i + 1].contiguous())  # [1, H]
         assert torch.equal(alone[0], together[i])
+
+
+def test_the_tally_counts_the_distinct_experts_a_forward_read(model):
+    """What per-step choice prices a draft by (drafters/verify_cost.py): the union of the rows' experts, per sparse
+    layer, counted by the compiled block (alone or inside a fused layer) as it runs."""
+    block = moe_blocks(model)[-1]
+    kernel = moe_kernel(block)
+    rows = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))  # [5, H]
+    _, experts = kernel.forward(rows)  # [5, k]
+    assert kernel.touched() == len(experts.unique())
+    tally = ExpertTally.of(model)
+    moe = model.config.moe
+    sparse = [i for i in range(model.config.num_layers) if moe.sparse(i)]
+    assert len(tally.blocks) == len(sparse)  # the trunk's blocks: its MTP modules' are drafting, not verifying
+    cache = model.new_cache(16)
+    ids = torch.arange(3, 11).unsqueeze(0)  # [1, 8]
+    with torch.inference_mode():
+        model(ids[:, :1], torch.arange(1).unsqueeze(0), cache)
+        assert tally.last() == moe.experts_per_token  # one row reads its k experts, no more
+        model(ids[:, 1:], torch.arange(1, 8).unsqueeze(0), cache)
+    assert moe.experts_per_token < tally.last() <= min(moe.num_experts, 7 * moe.experts_per_token)

@@ -152,6 +152,12 @@ class MoEBlock(nn.Module):
         self.experts = nn.ModuleList(MLP(config, moe.expert_size) for _ in range(moe.num_experts))
         self.shared = MLP(config, moe.shared_size) if moe.shared_size else None
         self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_gate else None
+        self.compiled = None  # the kernel's MoE that runs this block where one does (kernels/w4a8_moe.py)
+        self.last_touched = 0  # the distinct experts this block's last PyTorch forward ran
+
+    def touched(self) -> int:
+        """The distinct experts the block's last forward read: the union of its rows' choices."""
+        return self.compiled.touched() if self.compiled is not None else self.last_touched
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
@@ -171,6 +177,7 @@ class MoEBlock(nn.Module):
         slots = experts.flatten()  # [N*k] the expert in each (row, slot)
         order = slots.argsort(stable=True)  # [N*k] (row, slot) pairs grouped by expert
         hits = torch.bincount(slots, minlength=len(self.experts)).tolist()  # rows per expert
+        self.last_touched = sum(1 for hit in hits if hit)
         products = torch.empty(count * chosen, rows.shape[-1], dtype=torch.promote_types(rows.dtype, weights.dtype),
                                device=rows.device)  # [N*k, H]
         flat_weights = weights.flatten()  # [N*k]
@@ -208,6 +215,28 @@ class MoETransformer(Transformer):
     def finish_loading(self, rope_factors: torch.Tensor | None = None) -> None:
         super().finish_loading(rope_factors)
         self.routers_invariant = pack_routers(self)
+
+
+class ExpertTally:
+    """The distinct experts a trunk's last forward read, per sparse layer on average (its MTP modules' blocks,
+    which run while drafting, left out): a verify forward reads each of them once, so its cost grows with this
+    count rather than with its rows (drafters/verify_cost.py)."""
+
+    def __init__(self, blocks: list[MoEBlock], moe: MoEConfig):
+        self.blocks = blocks
+        self.num_experts, self.experts_per_token = moe.num_experts, moe.experts_per_token
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertTally | None:
+        """The tally of a loaded (and fused) model's decoder layers, or None for a model without experts."""
+        moe = getattr(model.config, "moe", None)
+        layers = getattr(model, "layers", None)
+        blocks = [] if moe is None or layers is None else [m for m in layers.modules() if isinstance(m, MoEBlock)]
+        return cls(blocks, moe) if blocks else None
+
+    def last(self) -> float:
+        """Distinct experts per sparse layer in the last forward of the trunk."""
+        return sum(block.touched() for block in self.blocks) / len(self.blocks)
 
 
 def pack_routers(model: Transformer) -> bool:

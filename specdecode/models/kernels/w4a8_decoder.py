@@ -65,8 +65,8 @@ def fuse_layers(model: Transformer) -> None:
         """The kernel's arguments for a layer's MLP (gate_up, down, experts): its two w4a8 weights, or a compiled
         mixture of experts."""
         if isinstance(mlp, MoEBlock):
-            moe = moe_kernel(mlp)
-            return None if moe is None else (None, None, moe)
+            mlp.compiled = moe_kernel(mlp)  # the fused layer runs it: the block's tally reads it (moe.py)
+            return None if mlp.compiled is None else (None, None, mlp.compiled)
         if all(isinstance(linear, W4A8Linear) for linear in (mlp.gate_up, mlp.down)):
             return mlp.gate_up.kernel_weight(), mlp.down.kernel_weight(), None
         return None
@@ -75,7 +75,7 @@ def fuse_layers(model: Transformer) -> None:
     if any(arguments is None for arguments in feedforwards):
         for layer in layers:
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.router.in_kernel = False  # left to PyTorch after all
+                layer.mlp.router.in_kernel, layer.mlp.compiled = False, None  # left to PyTorch after all
         return
 
     def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:

@@ -64,7 +64,7 @@ def _layer_arguments(layer: DecoderLayer) -> tuple | None:
         return None
     mlp = layer.mlp
     if isinstance(mlp, W4A8MoEBlock):
-        feedforward = (None, None, mlp.kernel_block)
+        feedforward = (None, None, mlp.compiled)
     elif isinstance(mlp, MLP) and isinstance(mlp.gate_up, W4A8Linear) and isinstance(mlp.down, W4A8Linear):
         feedforward = (mlp.gate_up.kernel_weight(), mlp.down.kernel_weight(), None)
     else:

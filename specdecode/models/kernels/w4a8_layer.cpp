@@ -116,7 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, std::vector<W4A8Weight>, std::vector<W4A8Weight>,
                     c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>, int64_t, bool,
                     int64_t, int64_t, bool, double>())
-      .def("forward", &W4A8MoE::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &W4A8MoE::forward, py::call_guard<py::gil_scoped_release>())
+      .def("touched", &W4A8MoE::touched);
   py::class_<W4A8LatentLayer>(m, "LatentLayer", py::module_local())
       .def(py::init<torch::Tensor, c10::optional<W4A8Weight>, c10::optional<W4A8Weight>, c10::optional<torch::Tensor>,
                     c10::optional<W4A8Weight>, W4A8Weight, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,

@@ -139,9 +139,11 @@ void W4A8MoE::run(const float* x, int64_t rows, float* out, int64_t* chosen) con
   std::vector<std::vector<int64_t>> pairs(num_experts_);  // each expert's (row, slot) pairs, as r * k + s
   for (int64_t p = 0; p < rows * k; ++p) pairs[experts[p]].push_back(p);
   std::vector<float> products(rows * k * H), inputs, outputs;  // products [R, k, H]
+  int64_t touched = 0;
   for (int64_t e = 0; e < num_experts_; ++e) {
     const int64_t n = (int64_t)pairs[e].size();
     if (n == 0) continue;
+    ++touched;
     inputs.resize(n * H);
     outputs.resize(n * H);
     for (int64_t j = 0; j < n; ++j) std::copy_n(x + pairs[e][j] / k * H, H, inputs.data() + j * H);
@@ -151,6 +153,7 @@ void W4A8MoE::run(const float* x, int64_t rows, float* out, int64_t* chosen) con
       for (int64_t i = 0; i < H; ++i) products[p * H + i] = outputs[j * H + i] * weights[p];
     }
   }
+  touched_.store(touched, std::memory_order_relaxed);
   for (int64_t r = 0; r < rows; ++r) {  // a row's slots summed in slot order
     float* sum = out + r * H;
     std::copy_n(products.data() + r * k * H, H, sum);

@@ -3,6 +3,7 @@
 // w4a8_layer.cpp binds it alone and inside a fused decoder layer.
 #pragma once
 #include "w4a8_kernel.h"
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -37,6 +38,10 @@ class W4A8MoE {
 
   int64_t hidden() const { return hidden_; }
 
+  // The distinct experts the last run() read, the union of its rows' choices: a verify forward's cost grows with
+  // it, not with its rows (drafters/verify_cost.py prices drafts by it).
+  int64_t touched() const { return touched_.load(std::memory_order_relaxed); }
+
  private:
   // experts [R, k] (each row's slots, best first) and weights [R, k] for x [R, H].
   void route(const float* x, int64_t rows, int64_t* experts, float* weights) const;
@@ -45,6 +50,7 @@ class W4A8MoE {
   c10::optional<W4A8Weight> shared_gate_up_, shared_down_;
   Routing routing_;
   int64_t hidden_, num_experts_;
+  mutable std::atomic<int64_t> touched_{0};  // run() is const: it only reads the weights
 };
 
 // A fused layer's MLP: a dense SwiGLU (gate_up and down) or a mixture of experts (moe).

@@ -31,11 +31,12 @@ class W4A8MoEBlock(MoEBlock):
         nn.Module.__init__(self)
         self.router, self.experts, self.shared, self.shared_gate = (block.router, block.experts, block.shared,
                                                                     block.shared_gate)
-        self.kernel_block = kernel_block  # the compiled block: it holds the experts' packed tensors
+        self.compiled = kernel_block  # the compiled block: it holds the experts' packed tensors
+        self.last_touched = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # [N, H]: the kernel reads float32 rows
-        out, _ = self.kernel_block.forward(rows)  # [N, H] float32, [N, k] experts
+        out, _ = self.compiled.forward(rows)  # [N, H] float32, [N, k] experts
         return out.to(x.dtype).view_as(x)
 
 

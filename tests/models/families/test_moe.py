@@ -181,6 +181,9 @@ def test_rows_grouped_by_expert_give_each_row_the_bits_it_has_alone(routing, ker
         chosen = block.router(x[0])[1]  # [24, k]
     assert len(chosen.unique()) < chosen.numel()  # rows did share experts, each read once for all of them
     assert torch.equal(together, alone)
+    with torch.inference_mode():
+        block(x)
+    assert block.touched() == len(chosen.unique())  # what the block read, for pricing drafts (verify_cost.py)
 
 
 def test_group_limited_sigmoid_routing_chooses_what_transformers_chooses():
