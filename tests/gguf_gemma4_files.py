@@ -1,5 +1,6 @@
 """Gemma 4 GGUF files for tests and benchmarks, written the way llama.cpp's converter writes them (its
-conversion/gemma.py: Gemma4Model and Gemma4AssistantModel), with gguf-py's own writer."""
+conversion/gemma.py: Gemma4Model and Gemma4AssistantModel), with gguf-py's own writer; with experts (26B-A4B)
+under gguf-py's gemma4 names (constants.py, tensor_mapping.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf_files import F32, add_float, add_vocabulary, finish, hf_weights
+from gguf_moe_files import add
 
 # Gemma 4's tensors (after "model.layers.N." or "model.language_model.layers.N.") -> llama.cpp's gemma4 names.
 _GEMMA4_BLOCK = {
@@ -21,6 +23,11 @@ _GEMMA4_BLOCK = {
     "mlp.down_proj.weight": "ffn_down.weight", "per_layer_input_gate.weight": "inp_gate.weight",
     "per_layer_projection.weight": "proj.weight", "post_per_layer_input_norm.weight": "post_norm.weight",
     "layer_scalar": "layer_output_scale.weight",
+    "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
 }
 _GEMMA4_GLOBAL = {
     "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
@@ -30,16 +37,26 @@ _GEMMA4_GLOBAL = {
 }
 
 
-def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32) -> None:
+def write_gemma4_gguf(path: Path, hf_folder: Path, matrices=F32, experts=F32, fused: bool = True) -> None:
     """`hf_folder`'s Gemma 4 text model as llama.cpp's converter writes it (architecture "gemma4", gemma4_header);
-    float32, or its matrices in `matrices` (F16 for llama-quantize)."""
+    float32, or its matrices in `matrices` (F16 for llama-quantize). Experts (transformers' fused [E, 2I, H] and
+    [E, H, I], ggml {H, 2I, E} and {I, H, E}) in `experts` (F32, F16 or Q8_0), gate and up in one tensor as the
+    converter writes them, or (`fused` False) as ffn_gate_exps and ffn_up_exps."""
     config = json.loads((hf_folder / "config.json").read_text())
     config = config.get("text_config", config)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     gemma4_header(writer, config)
     for name, weight in hf_weights(hf_folder).items():
         gguf_name = gemma4_gguf_name(name)
-        if gguf_name is not None:  # else a multimodal checkpoint's towers
+        if gguf_name is None:  # a multimodal checkpoint's towers
+            continue
+        if weight.ndim == 3 and gguf_name.endswith("gate_up_exps.weight") and not fused:
+            gate, up = np.split(weight, 2, axis=1)  # [E, I, H] each
+            add(writer, gguf_name.replace("gate_up", "gate"), gate, experts)
+            add(writer, gguf_name.replace("gate_up", "up"), up, experts)
+        elif weight.ndim == 3:
+            add(writer, gguf_name, weight, experts)
+        else:
             add_float(writer, gguf_name, weight, matrices)
     finish(writer)
 
@@ -92,6 +109,10 @@ def gemma4_header(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
     writer.add_shared_kv_layers(config["num_kv_shared_layers"])
     writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    if config.get("enable_moe_block"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     add_vocabulary(writer, config["vocab_size"], "llama-bpe")
     rotating = int(rope["full_attention"].get("partial_rotary_factor", 1.0) * global_head_dim / 2)
     factors = np.array([1.0] * rotating + [1e30] * (global_head_dim // 2 - rotating), dtype=np.float32)

@@ -3,6 +3,8 @@ gated MLP. The trunk (transformer.py), its MTP modules (mtp.py) and the drafter 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,17 +88,23 @@ class Attention(nn.Module):
         return self.o(out)
 
 
+# The gated MLP's activations by name: SwiGLU's, and GeGLU's tanh GELU (Gemma 4's experts, decoder/moe.py).
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
-        """`intermediate_size`: a width other than the config's (an expert's, decoder/moe.py)."""
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, activation: str = "silu"):
+        """`intermediate_size`: a width other than the config's (an expert's, decoder/moe.py); `activation`: the
+        gate's, a key of ACTIVATIONS."""
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size
+        self.activation = ACTIVATIONS[activation]
         self.gate_up = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [B, T, I] each
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):

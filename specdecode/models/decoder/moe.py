@@ -1,7 +1,8 @@
-"""The mixture-of-experts block several families share (Qwen3-MoE, GLM-4.5, and the others the registry names):
-a router choosing `experts_per_token` of `num_experts` SwiGLU experts per token, shared experts beside them, and
-the dense layers a config keeps. Computed as transformers 5 computes it (its `grouped_mm` experts): each chosen
-expert's output times its routing weight, the k products summed in float32 and rounded once.
+"""The mixture-of-experts block several families share (Qwen3-MoE, GLM-4.5, Gemma 4 26B-A4B and the others the
+registry names): a router choosing `experts_per_token` of `num_experts` gated experts per token (SwiGLU, or GeGLU
+for Gemma 4), shared experts beside them, and the dense layers a config keeps. Computed as transformers 5
+computes it (its `grouped_mm` experts): each chosen expert's output times its routing weight, the k products
+summed in float32 and rounded once.
 
 Verification reads each expert once: the rows of a forward are grouped by expert, and each chosen expert runs
 once over all of its rows. A row's result does not depend on which other rows share its experts: the router
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.decoder.layers import MLP, DecoderLayer
+from specdecode.models.decoder.layers import ACTIVATIONS, MLP, DecoderLayer
 from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, rows_invariant
 from specdecode.models.decoder.transformer import Transformer
 from specdecode.models.model_config import ModelConfig
@@ -48,6 +49,7 @@ class MoEConfig:
     shared_size: int = 0  # the shared experts' intermediate width, all of them as one MLP; 0 = none
     shared_gate: bool = False  # Qwen 3.5: the shared expert's output times sigmoid(a linear of the input)
     shared_name: str = "shared_experts"  # what checkpoints call them after "mlp." (Qwen 3.5: shared_expert)
+    activation: str = "silu"  # the experts' gate (decoder/layers.ACTIVATIONS): SwiGLU, or gelu_tanh (Gemma 4)
 
     def check(self, config: ModelConfig) -> None:
         sizes = {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
@@ -69,6 +71,9 @@ class MoEConfig:
         if not all(type(i) is int and 0 <= i < config.num_layers for i in self.dense_layers):
             raise SpecDecodeError(f"config: dense layers {list(self.dense_layers)} must be layer indices below "
                                   f"{config.num_layers}")
+        if self.activation not in ACTIVATIONS:
+            raise SpecDecodeError(f"config: unknown expert activation {self.activation!r}; known: "
+                                  f"{', '.join(ACTIVATIONS)}")
         if type(self.shared_size) is not int or self.shared_size < 0:
             raise SpecDecodeError(f"config: the shared experts' width must be a non-negative integer, got "
                                   f"{self.shared_size!r}")
@@ -117,8 +122,14 @@ class Router(nn.Module):
         self.packed = PackedLinear(linear)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        moe = self.moe
         logits = self.logits(x)  # [N, E]
+        weights, experts = self.choose(logits)  # [N, k] each
+        return (weights if self.moe.float32_router else weights.to(logits.dtype)), experts
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, E] -> the k chosen experts' weights [N, k] float32 (renormalised and scaled as the config
+        says) and the experts [N, k]."""
+        moe = self.moe
         scores = logits.float().softmax(-1) if moe.scoring == "softmax" else logits.float().sigmoid()  # [N, E]
         choice = scores if self.score_bias is None else scores + self.score_bias.float()  # [N, E]
         if moe.groups > 1:
@@ -128,8 +139,7 @@ class Router(nn.Module):
         if moe.renormalize:
             # GLM and DeepSeek add 1e-20 to the sum; Qwen adds nothing (a softmax sum is never near zero).
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
-        weights = weights * moe.scaling if moe.scaling != 1.0 else weights
-        return (weights if moe.float32_router else weights.to(logits.dtype)), experts
+        return weights * moe.scaling if moe.scaling != 1.0 else weights, experts
 
     def best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """choice [N, E] with every expert outside the `groups_kept` best groups at -inf; a group's score is the
@@ -143,13 +153,15 @@ class Router(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Routed SwiGLU experts plus shared experts, in place of a decoder layer's MLP (same input and output)."""
+    """Routed experts plus shared experts, in place of a decoder layer's MLP (same input and output)."""
+
+    router_class = Router  # a family's own routing subclasses it (Gemma 4's, families/gemma4/moe.py)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         moe = config.moe
-        self.router = Router(config)
-        self.experts = nn.ModuleList(MLP(config, moe.expert_size) for _ in range(moe.num_experts))
+        self.router = self.router_class(config)
+        self.experts = nn.ModuleList(MLP(config, moe.expert_size, moe.activation) for _ in range(moe.num_experts))
         self.shared = MLP(config, moe.shared_size) if moe.shared_size else None
         self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_gate else None
         self.compiled = None  # the kernel's MoE that runs this block where one does (kernels/w4a8_moe.py)

@@ -112,8 +112,7 @@ class GGUFWeights:
         for tensor in reader.tensors:
             name = layout.name(tensor.name)
             if EXPERT in name:  # llama.cpp's `*_exps` [E, rows, columns]: read as one tensor per expert
-                self._tensors.update({name.replace(EXPERT, str(e)): ExpertSlice(tensor, e)
-                                      for e in range(int(tensor.shape[-1]))})
+                self._tensors.update(expert_slices(name, tensor))
             else:
                 self._tensors[name] = tensor
         # Tensors stored in parts, read whole and joined by the layout: name -> the parts, in order
@@ -168,13 +167,31 @@ class GGUFWeights:
 EXPERT = "{expert}"  # in a layout's name for a tensor stacking every expert's: where the expert's index goes
 
 
-class ExpertSlice:
-    """One expert's part of a GGUF tensor of experts, shaped and read as a 2-D tensor of its own."""
+# A layout's name ending for experts' gate and up projections stored in one tensor (llama.cpp's ffn_gate_up_exps,
+# [E, 2I, H]: every gate row, then every up row, as transformers' gate_up_proj), read as the two halves' names.
+FUSED_GATE_UP = ("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight"))
 
-    def __init__(self, tensor, expert: int):
-        self.data = tensor.data[expert]  # [rows, bytes per row] (quantized) or [rows, columns]
+
+class ExpertSlice:
+    """One expert's part of a GGUF tensor of experts (or a block of its rows), shaped and read as a 2-D tensor of
+    its own."""
+
+    def __init__(self, tensor, expert: int, rows: slice = ALL_ROWS):
+        self.data = tensor.data[expert][rows]  # [rows, bytes per row] (quantized) or [rows, columns]
         self.tensor_type = tensor.tensor_type
-        self.shape = tensor.shape[:2]  # GGUF lists dims innermost first: (columns, rows)
+        self.shape = (tensor.shape[0], len(self.data))  # GGUF lists dims innermost first: (columns, rows)
+
+
+def expert_slices(name: str, tensor) -> dict[str, ExpertSlice]:
+    """A GGUF tensor of experts, named `name` with EXPERT where the index goes -> each expert's tensor by name; a
+    fused gate and up projection (FUSED_GATE_UP) as each expert's two halves."""
+    experts = range(int(tensor.shape[-1]))
+    fused, halves = FUSED_GATE_UP
+    if not name.endswith(fused):
+        return {name.replace(EXPERT, str(e)): ExpertSlice(tensor, e) for e in experts}
+    stem, rows = name.removesuffix(fused), int(tensor.shape[1]) // 2
+    return {stem.replace(EXPERT, str(e)) + half: ExpertSlice(tensor, e, slice(i * rows, (i + 1) * rows))
+            for e in experts for i, half in enumerate(halves)}
 
 
 def stacked(source: FolderWeights | GGUFWeights, names: list[str]) -> torch.Tensor:

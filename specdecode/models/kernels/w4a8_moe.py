@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specdecode.models.decoder.layers import MLP
-from specdecode.models.decoder.moe import MoEBlock
+from specdecode.models.decoder.moe import MoEBlock, Router
 from specdecode.models.kernels.quantized_linear import Int8Linear
 from specdecode.models.kernels.w4a8_linear import W4A8Linear, load_kernel
 
@@ -41,8 +41,11 @@ class W4A8MoEBlock(MoEBlock):
 
 
 def moe_kernel(block: MoEBlock):
-    """The compiled form of `block` (the kernel's MoE), or None where a matmul of its experts is not w4a8."""
+    """The compiled form of `block` (the kernel's MoE), or None where a matmul of its experts is not w4a8 or the
+    kernel does not compute it (its experts are SwiGLU, its routing the shared Router's: not Gemma 4's)."""
     mlps = [*block.experts, *([block.shared] if block.shared is not None else [])]
+    if block.router.moe.activation != "silu" or type(block.router) is not Router:
+        return None
     if not all(isinstance(linear, W4A8Linear) for mlp in mlps for linear in (mlp.gate_up, mlp.down)):
         return None
     kernel, moe, router = load_kernel(), block.router.moe, block.router

@@ -9,7 +9,6 @@ import pytest
 import torch
 from gemma_reference import PLAIN, reference_model, save_gemma
 
-from specdecode.errors import SpecDecodeError
 from specdecode.models.families import family_of
 from specdecode.models.families.gemma4.trunk import GemmaTransformer
 from specdecode.models.loader import load_model, read_config
@@ -83,14 +82,6 @@ def test_the_config_is_read_from_either_naming(gemma_folder):
     config = read_config(gemma_folder)
     assert config.architecture == "gemma4" and family_of(config).name == "gemma4"
     assert config.family_parts.sliding_window in (5, 8)
-
-
-def test_a_mixture_of_experts_gemma_is_one_clear_error(tmp_path):
-    import json
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "enable_moe_block": True}))
-    with pytest.raises(SpecDecodeError, match="mixture-of-experts"):
-        read_config(tmp_path)
 
 
 @pytest.mark.parametrize("quant", ["none", "w4a8"])

@@ -1,6 +1,7 @@
-"""Gemma 4 (the dense e2b / e4b / 31B text models): sliding and full attention layers with their own ropes, KV-shared
-layers, per-layer embeddings, sandwich norms and soft-capped logits (config.py says what each is; trunk.py and
-layers.py run them), read from Hugging Face checkpoints and llama.cpp's gemma4 GGUF files (gguf.py), with the
+"""Gemma 4 (the dense e2b / e4b / 31B text models and the 26B-A4B mixture of experts): sliding and full attention
+layers with their own ropes, KV-shared layers, per-layer embeddings, sandwich norms, soft-capped logits and, with
+enable_moe_block, GeGLU experts beside every layer's MLP (config.py says what each is; trunk.py, layers.py and
+moe.py run them), read from Hugging Face checkpoints and llama.cpp's gemma4 GGUF files (gguf.py), with the
 assistant Google ships beside each model (shipped_assistant.py)."""
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from torch import nn
 
 from specdecode.models.decoder.kv_cache import KVCache
 from specdecode.models.decoder.rope import RopeTable
-from specdecode.models.families.gemma4.layers import GemmaDecoderLayer, GemmaRMSNorm
+from specdecode.models.families.gemma4.layers import GemmaDecoderLayer
+from specdecode.models.families.gemma4.norm import GemmaRMSNorm
 from specdecode.models.families.gemma4.trunk import gemma_frequencies
 from specdecode.models.model_config import ModelConfig
 

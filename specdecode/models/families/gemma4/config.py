@@ -1,6 +1,7 @@
-"""What a Gemma 4 text trunk has beyond the Llama family's fields (ModelConfig.family_parts), read from config.json.
+"""What a Gemma 4 text trunk has beyond the Llama family's fields (ModelConfig.family_parts, and ModelConfig.moe
+with experts), read from config.json.
 
-Gemma 4 (transformers' models/gemma4, the dense e2b / e4b / 31B text models):
+Gemma 4 (transformers' models/gemma4, the e2b / e4b / 31B text models and the 26B-A4B mixture of experts):
 - sliding-window and full ("global") attention layers by `layer_types`, each kind with its own rope; the full
   layers may have a wider head (`global_head_dim`) and, with `attention_k_eq_v`, their own number of KV heads and
   no value projection (the keys' projection, before its norm, is the value);
@@ -10,9 +11,10 @@ Gemma 4 (transformers' models/gemma4, the dense e2b / e4b / 31B text models):
 - per-layer embeddings (PLE): a second embedding table gives every layer a small vector per token, mixed with a
   projection of the token's embedding and added through a gated projection after the layer's MLP;
 - sandwich norms (after attention and after the MLP as well as before), a scalar per layer, the embedding scaled
-  by sqrt(hidden_size), GELU (tanh) in the MLP, and the output's logits soft-capped.
+  by sqrt(hidden_size), GELU (tanh) in the MLP, and the output's logits soft-capped;
+- with `enable_moe_block` (26B-A4B), in every layer a mixture of GeGLU experts beside the dense MLP (moe.py).
 
-The mixture-of-experts block (26B-A4B) and the vision and audio towers are not run.
+The vision and audio towers are not run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.decoder.moe import MoEConfig
 from specdecode.models.model_config import ModelConfig, eos_ids
 
 MODEL_TYPES = {"gemma4": "gemma4", "gemma4_text": "gemma4"}
@@ -113,11 +116,17 @@ def gemma_parts(hf: dict, layer_types: list[str]) -> GemmaParts:
         global_theta=float(global_rope["rope_theta"]), global_rotary_fraction=float(fraction))
 
 
+def gemma_moe(hf: dict) -> MoEConfig | None:
+    """The experts of a config with enable_moe_block: softmax routing (logits in the model's dtype, weights in
+    float32), the best top_k_experts always renormalised, GeGLU experts; None without it."""
+    if not hf.get("enable_moe_block"):
+        return None
+    return MoEConfig(num_experts=hf["num_experts"], experts_per_token=hf["top_k_experts"],
+                     expert_size=hf["moe_intermediate_size"], renormalize=True, activation="gelu_tanh")
+
+
 def check_text_only(hf: dict) -> None:
     """Gemma 4 parts we do not run, said in one line."""
-    if hf.get("enable_moe_block"):
-        raise SpecDecodeError("unsupported architecture 'gemma4' with enable_moe_block (Gemma 4 26B-A4B): the "
-                              "mixture-of-experts block is not implemented (the dense Gemma 4 models are)")
     if hf.get("use_bidirectional_attention") == "all":
         raise SpecDecodeError("a Gemma 4 config with bidirectional attention is an encoder, not a decoder")
 
@@ -156,11 +165,15 @@ def from_hf(hf: dict, model_type: str) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
         qk_norm=True, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids(hf),
-        layer_types=tuple(layer_types), family_parts=gemma_parts(hf, layer_types))
+        layer_types=tuple(layer_types), family_parts=gemma_parts(hf, layer_types), moe=gemma_moe(hf))
 
 
 def to_hf(config: ModelConfig) -> dict:
     """Its ropes are per layer kind, in rope_parameters."""
     hf = config.common_hf() | {"architectures": ["Gemma4ForCausalLM"], "attention_bias": config.qkv_bias}
     del hf["rope_theta"], hf["rope_scaling"]
-    return hf | gemma_to_hf(config.family_parts, config.layer_types, config.head_dim, config.num_kv_heads)
+    moe = config.moe
+    experts = {"enable_moe_block": moe is not None} | ({} if moe is None else {
+        "num_experts": moe.num_experts, "top_k_experts": moe.experts_per_token,
+        "moe_intermediate_size": moe.expert_size})
+    return hf | gemma_to_hf(config.family_parts, config.layer_types, config.head_dim, config.num_kv_heads) | experts

@@ -9,6 +9,11 @@ rope.freq_base_swa, final_logit_softcapping. Full layers' "proportional" rope is
 1 for each rotating frequency and 1e30 for the others, so the share that rotates is the share of ones. A full layer
 without attn_v uses its keys as values (attention_k_eq_v). Norm weights are stored as they are (no 1 + w, unlike
 Gemma 3), layer_scalar as blk.N.layer_output_scale.weight, and nothing is permuted.
+
+With experts (26B-A4B): expert_count, expert_used_count and expert_feed_forward_length; per layer the router as
+ffn_gate_inp.weight, its scale as ffn_gate_inp.scale and its per-expert scale as ffn_down_exps.scale, the experts
+as ffn_gate_up_exps (gate rows then up rows, as transformers' gate_up_proj; or ffn_gate_exps and ffn_up_exps) and
+ffn_down_exps, and the norms pre_ffw_norm_2, post_ffw_norm_1 and post_ffw_norm_2.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.families.gemma4.config import from_hf
+from specdecode.models.formats.weight_source import EXPERT
 from specdecode.models.model_config import ModelConfig
 
 ARCHITECTURE = "gemma4"
@@ -34,7 +40,15 @@ _BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_a
           "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
           "ffn_down.weight": "mlp.down_proj.weight", "inp_gate.weight": "per_layer_input_gate.weight",
           "proj.weight": "per_layer_projection.weight", "post_norm.weight": "post_per_layer_input_norm.weight",
-          "layer_output_scale.weight": "layer_scalar"}
+          "layer_output_scale.weight": "layer_scalar", "ffn_gate_inp.weight": "router.proj.weight",
+          "ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+          "ffn_gate_up_exps.weight": f"experts.{EXPERT}.gate_up_proj.weight",
+          "ffn_gate_exps.weight": f"experts.{EXPERT}.gate_proj.weight",
+          "ffn_up_exps.weight": f"experts.{EXPERT}.up_proj.weight",
+          "ffn_down_exps.weight": f"experts.{EXPERT}.down_proj.weight",
+          "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+          "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+          "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight"}
 _PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -42,9 +56,6 @@ ROPE_FREQS = "rope_freqs.weight"
 def gemma4_config(meta, tensors: dict, eos: int | None, bos: int | None) -> ModelConfig:
     """The config from the file's `gemma4.*` metadata (`meta(key, default)`) and tensors, read as transformers'
     gemma4_text config would state it."""
-    if "blk.0.ffn_gate_inp.weight" in tensors:
-        raise SpecDecodeError("unsupported architecture 'gemma4' with experts (Gemma 4 26B-A4B): the "
-                              "mixture-of-experts block is not implemented (the dense Gemma 4 models are)")
     layers = int(meta("block_count"))
     sliding = _per_layer(meta("attention.sliding_window_pattern"), layers)
     kinds = ["sliding_attention" if flag else "full_attention" for flag in sliding]
@@ -72,6 +83,10 @@ def gemma4_config(meta, tensors: dict, eos: int | None, bos: int | None) -> Mode
                               "full_attention": {"rope_type": "proportional",
                                                  "partial_rotary_factor": _rotating_share(tensors, global_head_dim),
                                                  "rope_theta": float(meta("rope.freq_base", 1000000.0))}}}
+    if "blk.0.ffn_gate_inp.weight" in tensors:
+        hf.update(enable_moe_block=True, num_experts=int(meta("expert_count")),
+                  top_k_experts=int(meta("expert_used_count")),
+                  moe_intermediate_size=int(meta("expert_feed_forward_length")))
     if "per_layer_token_embd.weight" in tensors:
         hf["vocab_size_per_layer_input"] = int(tensors["per_layer_token_embd.weight"].shape[1])
     return from_hf(hf, "gemma4_text")

@@ -2,7 +2,9 @@
 and fixed-order layers and the hybrid trunk's are: every attention layer runs the compiled fixed-order attention
 (attention.cpp, each row summing its visible slots in slot order) over its cache slot, and the matmuls are
 row-invariant (w4a8, or oneDNN's packed float kernels found so by a probe at load). The per-layer embeddings,
-norms and soft cap work row by row anyway.
+norms and soft cap work row by row anyway. With experts, they run from PyTorch (w4a8 or float, probed as the other
+matmuls; the compiled SwiGLU block, kernels/w4a8_moe.py, does not compute Gemma's GeGLU experts), and each
+router's logits on oneDNN's packed kernel, probed when the trunk finishes loading (decoder/moe.pack_routers).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def fix_gemma_layers(model: GemmaTransformer) -> str | None:
 
 
 def gemma_batch_invariant(model: GemmaTransformer) -> bool:
-    """Whether fix_gemma_layers made the trunk batch-invariant."""
+    """Whether fix_gemma_layers made the trunk batch-invariant (with experts, its routers' kernel too)."""
     return all(layer.attn.attend is not None for layer in model.layers) and getattr(
-        model.lm_head, "rows_invariant_checked", False)
+        model.lm_head, "rows_invariant_checked", False) and (model.config.moe is None or model.routers_invariant)
 
 
 def _linears(model: GemmaTransformer) -> list[nn.Module]:

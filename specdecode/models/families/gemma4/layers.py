@@ -15,22 +15,9 @@ from torch import nn
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
 from specdecode.models.decoder.rope import apply_rope
 from specdecode.models.families.gemma4.config import layer_shape
+from specdecode.models.families.gemma4.moe import GemmaMoEBlock
+from specdecode.models.families.gemma4.norm import GemmaRMSNorm
 from specdecode.models.model_config import ModelConfig
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * w, all in float32 and cast back once (Gemma 4's weights are not zero-centred); without a
-    weight for the values' norm."""
-
-    def __init__(self, dim: int, eps: float, with_weight: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (a decode step runs about 7 norms a layer); rsqrt where transformers writes pow(-0.5).
-        weight = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
 
 
 def cache_layers(config: ModelConfig) -> list[int]:
@@ -171,6 +158,10 @@ class GemmaDecoderLayer(nn.Module):
         wide = 2 if parts.double_wide_mlp and shares_kv else 1
         self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size * wide)
         self.post_mlp_norm = GemmaRMSNorm(config.hidden_size, eps)
+        # With experts (26B-A4B, moe.py) every layer adds their output to the dense MLP's, each normed on its own.
+        self.moe = None if config.moe is None else GemmaMoEBlock(config)
+        if self.moe is not None:
+            self.post_dense_norm = GemmaRMSNorm(config.hidden_size, eps)  # post_feedforward_layernorm_1
         size = parts.per_layer_size if per_layer_size is None else per_layer_size
         if size:
             self.ple_gate = nn.Linear(config.hidden_size, size, bias=False)
@@ -190,7 +181,10 @@ class GemmaDecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None = None,  # [B, T, P] this layer's PLE vector
     ) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, cache, slot, mask))
-        x = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+        out = self.mlp(self.mlp_norm(x))  # [B, T, hidden]
+        if self.moe is not None:
+            out = self.post_dense_norm(out) + self.moe(x)
+        x = x + self.post_mlp_norm(out)
         if self.has_ple:
             gated = F.gelu(self.ple_gate(x), approximate="tanh") * per_layer_input  # [B, T, P]
             x = x + self.ple_norm(self.ple_projection(gated))

@@ -4,7 +4,10 @@
 Per layer: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm,
 self_attn.{q_proj, k_proj, v_proj, o_proj, q_norm, k_norm} (k_proj, v_proj and k_norm only below the KV-shared
 layers; no v_proj in full layers with attention_k_eq_v), mlp.{gate,up,down}_proj, layer_scalar, and with PLE
-per_layer_input_gate, per_layer_projection, post_per_layer_input_norm. Top level: embed_tokens, norm, and with
+per_layer_input_gate, per_layer_projection, post_per_layer_input_norm; with experts (enable_moe_block)
+router.{proj.weight, scale, per_expert_scale}, experts.{e}.{gate,up,down}_proj (transformers 5 stores them fused
+as experts.gate_up_proj and experts.down_proj, read per expert by formats/weight_source.py),
+pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and post_feedforward_layernorm_2. Top level: embed_tokens, norm, and with
 PLE embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm. A multimodal checkpoint's
 vision and audio towers and their embedders are not read; KV-shared layers' key and value weights, which some
 checkpoints carry although nothing reads them, are not either.
@@ -55,6 +58,23 @@ def layer_sources(dst: str, src: str, config: ModelConfig, index: int, ple: bool
         sources.update({dst + ours: [src + theirs] for ours, theirs in (
             ("ple_gate.weight", "per_layer_input_gate.weight"), ("ple_projection.weight", "per_layer_projection.weight"),
             ("ple_norm.weight", "post_per_layer_input_norm.weight"))})
+    if config.moe is not None:
+        sources.update(expert_sources(dst, src, config.moe.num_experts))
+    return sources
+
+
+def expert_sources(dst: str, src: str, experts: int) -> dict[str, list[str]]:
+    """A layer's experts (families/gemma4/moe.py) under `dst` -> the stored names under `src`."""
+    sources = {dst + ours: [src + theirs] for ours, theirs in (
+        ("moe.router.weight", "router.proj.weight"), ("moe.router.scale", "router.scale"),
+        ("moe.router.per_expert_scale", "router.per_expert_scale"),
+        ("moe.norm_in.weight", "pre_feedforward_layernorm_2.weight"),
+        ("moe.norm_out.weight", "post_feedforward_layernorm_2.weight"),
+        ("post_dense_norm.weight", "post_feedforward_layernorm_1.weight"))}
+    for e in range(experts):
+        stored = f"{src}experts.{e}."
+        sources[f"{dst}moe.experts.{e}.gate_up.weight"] = [stored + "gate_proj.weight", stored + "up_proj.weight"]
+        sources[f"{dst}moe.experts.{e}.down.weight"] = [stored + "down_proj.weight"]
     return sources
 
 
@@ -86,6 +106,16 @@ def layer_shapes(prefix: str, config: ModelConfig, index: int, ple_size: int) ->
               "mlp.up_proj.weight": (inner, hidden), "mlp.down_proj.weight": (hidden, inner),
               "per_layer_input_gate.weight": (ple_size, hidden), "per_layer_projection.weight": (hidden, ple_size),
               "post_per_layer_input_norm.weight": (hidden,)}
+    moe = config.moe
+    if moe is not None:
+        shapes.update({"router.proj.weight": (moe.num_experts, hidden), "router.scale": (hidden,),
+                       "router.per_expert_scale": (moe.num_experts,), "pre_feedforward_layernorm_2.weight": (hidden,),
+                       "post_feedforward_layernorm_1.weight": (hidden,),
+                       "post_feedforward_layernorm_2.weight": (hidden,)})
+        for e in range(moe.num_experts):
+            shapes.update({f"experts.{e}.gate_proj.weight": (moe.expert_size, hidden),
+                           f"experts.{e}.up_proj.weight": (moe.expert_size, hidden),
+                           f"experts.{e}.down_proj.weight": (hidden, moe.expert_size)})
     return {prefix + name: shape for name, shape in shapes.items()}
 
 

@@ -12,14 +12,18 @@ import torch
 from torch import nn
 
 from specdecode.models.decoder.kv_cache import CacheBatch, KVCache
+from specdecode.models.decoder.moe import pack_routers
 from specdecode.models.decoder.rope import RopeTable
 from specdecode.models.decoder.transformer import ForwardOutput, Transformer, attention_mask, pick_rows
 from specdecode.models.families.gemma4.config import layer_shape, slot_shape
-from specdecode.models.families.gemma4.layers import GemmaDecoderLayer, GemmaRMSNorm, cache_layers
+from specdecode.models.families.gemma4.layers import GemmaDecoderLayer, cache_layers
+from specdecode.models.families.gemma4.norm import GemmaRMSNorm
 from specdecode.models.model_config import ModelConfig
 
 
 class GemmaTransformer(Transformer):
+    routers_invariant = False  # with experts: whether every router runs on a row-invariant kernel (finish_loading)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         parts = config.family_parts
@@ -51,6 +55,8 @@ class GemmaTransformer(Transformer):
         dtype = self.activation_dtype or weight.dtype
         self.ropes = {kind: RopeTable(gemma_frequencies(self.config, kind), self.config.max_position_embeddings,
                                       dtype, weight.device) for kind in set(self.config.layer_types)}
+        if self.config.moe is not None:
+            self.routers_invariant = pack_routers(self)
 
     def new_cache(self, capacity: int, batch_size: int = 1, rollback_rows: int = 1) -> KVCache:
         heads, dim = self.cache_shape
