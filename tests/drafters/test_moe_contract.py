@@ -74,3 +74,22 @@ def test_w4a8_target_output_is_bitwise_plain_decoding_alone_and_batched(w4a8_eng
     batched, shapes = run_batched(w4a8_engine, requests)
     assert batched == alone
     assert any(batch > 1 and rows > 1 for batch, rows in shapes), "no batch verified a draft"
+
+
+@pytest.mark.parametrize("precision", ["float32", "w4a8"])
+def test_per_step_choice_prices_drafts_by_the_experts_and_keeps_plain_output(pair, request, precision):
+    """On a MoE target per-step choice prices a verify forward by the distinct experts its rows read
+    (drafters/verify_cost.py) and asks the draft model for the depth that promises most: the output stays plain
+    decoding's, and the stats say which depth each chosen member drafted."""
+    engine = (request.getfixturevalue("w4a8_engine") if precision == "w4a8"
+              else Engine(pair[0], pair[1], draft_path=pair[3]))
+    spec = SpecConfig("ngram,draft", num_draft_tokens=4, combine="best")
+    chooser = engine.drafter(spec).chooser
+    assert chooser.verify.priced_by_experts and len(chooser.verify.tally.blocks) == 2  # layer 1 is dense
+    for prompt in PROMPTS[:2]:
+        plain = engine.complete(prompt, greedy(24), SpecConfig("none")).token_ids
+        result = engine.complete(prompt, greedy(24), spec)
+        assert result.token_ids == plain, f"per-step choice diverged on {prompt!r} ({precision})"
+        drafting = [record for name, record in result.stats.choices.items() if name != "plain" and record.drafted]
+        assert drafting and all(1 <= record.drafted / record.steps <= 4 for record in drafting)
+    assert chooser.verify.experts.seen  # the experts of verify forwards were counted by row count

@@ -138,6 +138,9 @@ def test_rows_grouped_by_expert_give_each_row_the_bits_it_has_alone(kernel):
         chosen = block.router(x[0])[1]  # [24, k]
     assert len(chosen.unique()) < chosen.numel()  # rows did share experts, each read once for all of them
     assert torch.equal(together, alone)
+    with torch.inference_mode():
+        block(x)
+    assert block.touched() == len(chosen.unique())  # what per-step choice prices a draft by (verify_cost.py)
 
 
 @pytest.mark.parametrize("quant", ["none", "w4a8"])
