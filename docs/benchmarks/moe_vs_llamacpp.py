@@ -72,19 +72,24 @@ def qwen3moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...
     return tensors
 
 
-def glm4moe_tensors(shape: dict, layers: int) -> list[tuple[str, tuple[int, ...], int]]:
+def glm4moe_tensors(shape: dict, layers: int, mtp: int = 0) -> list[tuple[str, tuple[int, ...], int]]:
     """(llama.cpp's name, torch shape, type) of every tensor of a glm4moe file (GLM-4.5-Air's layout: q, k and v
-    biases, no q/k norms, the first layer dense, one shared expert, the selection bias)."""
+    biases, no q/k norms, the first layer dense, one shared expert, the selection bias), and its `mtp` MTP layers
+    after the trunk's: a sparse block with the nextn tensors (conversion/glm.py keeps them; the embedding and the
+    head are the trunk's)."""
     hidden, head = shape["hidden"], shape["head_dim"]
     q, kv = shape["heads"] * head, shape["kv_heads"] * head
     tensors = [("token_embd.weight", (shape["vocab"], hidden), F16), ("output_norm.weight", (hidden,), F32),
                ("output.weight", (shape["vocab"], hidden), F16)]
-    for i in range(layers):
+    for i in range(layers + mtp):
         block = [("attn_norm.weight", (hidden,), F32), ("attn_q.weight", (q, hidden), F16), ("attn_q.bias", (q,), F32),
                  ("attn_k.weight", (kv, hidden), F16), ("attn_k.bias", (kv,), F32),
                  ("attn_v.weight", (kv, hidden), F16), ("attn_v.bias", (kv,), F32),
                  ("attn_output.weight", (hidden, q), F16), ("post_attention_norm.weight", (hidden,), F32)]
         block += dense_ffn(shape) if i == 0 else sparse_ffn(shape)
+        if i >= layers:
+            block += [("nextn.eh_proj.weight", (hidden, 2 * hidden), F16), ("nextn.enorm.weight", (hidden,), F32),
+                      ("nextn.hnorm.weight", (hidden,), F32), ("nextn.shared_head_norm.weight", (hidden,), F32)]
         tensors += [(f"blk.{i}.{name}", dims, kind) for name, dims, kind in block]
     return tensors
 
@@ -168,16 +173,22 @@ def add_metadata(writer, shape: dict, layers: int) -> None:
     writer.add_value_length_mla(shape["v"])
 
 
-def write_random_gguf(path: Path, shape: dict, layers: int) -> None:
+def write_random_gguf(path: Path, shape: dict, layers: int, mtp: int = 0) -> None:
     """A float16 file of random weights, written a tensor at a time (a whole 30B-wide layer's experts in float32
-    would be 2.4 GB): N(0, 1/columns) matrices, norms near 1, the selection bias near 0."""
+    would be 2.4 GB): N(0, 1/columns) matrices, norms near 1, the selection bias near 0; `mtp` MTP layers after
+    the trunk's (glm4moe only)."""
     import gguf
     from gguf_files import add_vocabulary
 
-    tensors = {"qwen3moe": qwen3moe_tensors, "glm4moe": glm4moe_tensors, "deepseek2": deepseek2_tensors}[
-        shape["arch"]](shape, layers)
+    if mtp:
+        tensors = glm4moe_tensors(shape, layers, mtp)
+    else:
+        tensors = {"qwen3moe": qwen3moe_tensors, "glm4moe": glm4moe_tensors, "deepseek2": deepseek2_tensors}[
+            shape["arch"]](shape, layers)
     writer = gguf.GGUFWriter(str(path), shape["arch"])
-    add_metadata(writer, shape, layers)
+    add_metadata(writer, shape, layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
     add_vocabulary(writer, shape["vocab"], "qwen2")
     for name, dims, kind in tensors:
         dtype = np.dtype(np.float16 if kind == F16 else np.float32)
@@ -196,13 +207,14 @@ def write_random_gguf(path: Path, shape: dict, layers: int) -> None:
     writer.close()
 
 
-def quantized_file(shape_name: str, layers: int, work: Path, bin_dir: Path) -> Path:
+def quantized_file(shape_name: str, layers: int, work: Path, bin_dir: Path, mtp: int = 0) -> Path:
     """The random float16 file, then llama-quantize's Q4_K_M of it (each made once; the float16 one removed)."""
     work.mkdir(parents=True, exist_ok=True)
-    f16, q4 = work / f"{shape_name}-{layers}l-f16.gguf", work / f"{shape_name}-{layers}l-Q4_K_M.gguf"
+    stem = f"{shape_name}-{layers}l{f'-mtp{mtp}' if mtp else ''}"
+    f16, q4 = work / f"{stem}-f16.gguf", work / f"{stem}-Q4_K_M.gguf"
     if not q4.is_file():
         if not f16.is_file():
-            write_random_gguf(f16, SHAPES[shape_name], layers)
+            write_random_gguf(f16, SHAPES[shape_name], layers, mtp)
         subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M", str(torch.get_num_threads())],
                        check=True, stdout=subprocess.DEVNULL)
         f16.unlink()
@@ -211,7 +223,10 @@ def quantized_file(shape_name: str, layers: int, work: Path, bin_dir: Path) -> P
 
 def verify_costs(model, rounds: int) -> dict:
     """rows -> (median seconds of a forward of that many rows after a 64-token prompt, mean distinct experts its
-    rows touch per sparse layer)."""
+    rows touch per sparse layer, as the blocks count them while they run: ExpertTally)."""
+    from specdecode.models.decoder.moe import ExpertTally
+
+    tally = ExpertTally.of(model)
     prompt = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))  # [1, 64]
     results = {}
     for rows in (1, 2, 3, 5, 8):
@@ -227,43 +242,12 @@ def verify_costs(model, rounds: int) -> dict:
                 model(tokens, positions, cache)
                 if round_:
                     seconds.append(time.perf_counter() - began)
+                    experts.append(tally.last())
                 cache.truncate(64)
-                if round_:
-                    experts.append(distinct_experts(model, tokens, positions, cache))
-                    cache.truncate(64)
         results[rows] = (statistics.median(seconds), statistics.mean(experts))
         print(f"verify {rows} rows: {results[rows][0] * 1000:.1f} ms, {results[rows][1]:.1f} experts a layer",
               flush=True)
     return results
-
-
-def distinct_experts(model, tokens: torch.Tensor, positions: torch.Tensor, cache) -> float:
-    """The mean number of distinct experts a forward's rows are routed to, per sparse layer: counted on the PyTorch
-    layers (fused layers route inside C++), each block's router run again on the block's input."""
-    from torch import nn
-
-    from specdecode.models.decoder.moe import MoEBlock
-    from specdecode.models.decoder.rope import RopeTable, inverse_frequencies
-
-    touched: list[int] = []
-
-    def count(block, inputs):
-        _, chosen = block.router(inputs[0].reshape(-1, inputs[0].shape[-1]))  # [N, k]
-        touched.append(int(chosen.unique().numel()))
-
-    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, MoEBlock)]
-    fused, rope = model.layers, model.rope
-    model.layers = nn.ModuleList(layer.unfused() if hasattr(layer, "unfused") else layer for layer in fused)
-    # The PyTorch layers' cos/sin in the model's dtype (fused layers read float32).
-    model.rope = RopeTable(inverse_frequencies(model.config, model.rope_factors), model.config.max_position_embeddings,
-                           model.dtype, model.device)
-    try:
-        model(tokens, positions, cache)
-    finally:
-        model.layers, model.rope = fused, rope
-        for hook in hooks:
-            hook.remove()
-    return statistics.mean(touched)
 
 
 def speculation_identical(engine, tokens: int) -> dict:

@@ -2,7 +2,8 @@
 
 Building reads a block of rows at a time, quantizes it and lets the float copy go, so memory holds the
 quantized model plus one block of rows in float32 (the 1.5B's peak is measured in docs/benchmarks/README.md).
-The result is saved in the kernels' own packed layout, so later starts only read a file.
+The result is saved in the kernels' own packed layout, so later starts only read a file; a mixture of experts'
+experts are not even read then, but mapped (read_quantized).
 
 Which format each linear layer gets:
 - int8: every layer, per output channel.
@@ -49,6 +50,7 @@ from specdecode.models.model_files import matching_sources
 # Bump when the saved layout changes; the packed int4 layout belongs to torch, so its version is in the key too.
 _FORMAT = "specdecode-quantized-3"
 WEIGHTS_FILE = "quantized.safetensors"
+EXPERTS_PART = ".experts."  # in the names of a mixture of experts' routed experts' tensors (decoder/moe.py)
 
 
 def quantized_cache_folder(source_files: list[Path], dtype: torch.dtype, quant: str, group_size: int) -> Path:
@@ -121,7 +123,9 @@ def save_quantized(model: Transformer, folder: Path, write_extra: Callable[[Path
 
 
 def read_quantized(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
-    state = read_tensors(path)  # copies of their own, not views into the file: the kernels align their data
+    # Copies of their own, except the experts': those stay views into the mapped file, so pages of experts no token
+    # routes to are never read into memory, and the system can drop idle ones again (a copy would pin them all).
+    state = read_tensors(path, mapped=lambda name: EXPERTS_PART in name)
     with torch.device("meta"):
         model = family_of(config).build(config)
     for name, module in list(model.named_modules()):

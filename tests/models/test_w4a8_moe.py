@@ -16,6 +16,7 @@ from specdecode.models.kernels import w4a8_linear
 from specdecode.models.kernels.w4a8_decoder import W4A8DecoderLayer
 from specdecode.models.kernels.w4a8_moe import W4A8MoEBlock, moe_kernel
 from specdecode.models.loader import load_model
+from specdecode.models.quantized_model import WEIGHTS_FILE
 
 # Each family's routing: softmax and renormalised (Qwen3-MoE, its layers fused whole), sigmoid with a correction
 # bias, scaling and a shared expert (GLM-4.5, DeepSeek-V3 with groups, GLM-4.7-Flash), a gated shared expert
@@ -97,3 +98,24 @@ def test_the_tally_counts_the_distinct_experts_a_forward_read(model):
         assert tally.last() == moe.experts_per_token  # one row reads its k experts, no more
         model(ids[:, 1:], torch.arange(1, 8).unsqueeze(0), cache)
     assert moe.experts_per_token < tally.last() <= min(moe.num_experts, 7 * moe.experts_per_token)
+
+
+def test_a_cached_models_experts_are_mapped_from_its_file_not_copied(tmp_path, cache):
+    """Loaded again from its quantized copy, a mixture of experts keeps its experts as views into the mapped file
+    (pages of experts no token routes to are never read, and the system may drop idle ones), every other weight in
+    an allocation of its own; the model is the one built before, bit for bit."""
+    folder = save_tiny_model(tmp_path / "moe", "qwen3_moe", scale=0.15)
+    built = load_model(folder, dtype="float32", quant="w4a8")  # quantized, then saved to the cache
+    cached = load_model(folder, dtype="float32", quant="w4a8")  # read back from it
+    [file] = cache.glob(f"quantized/*/{WEIGHTS_FILE}")
+    size = file.stat().st_size
+    storages = {name: buffer.untyped_storage() for name, buffer in cached.model.named_buffers()
+                if name.endswith(("codes", "group_scales", "block_scales"))}
+    experts = {name: storage for name, storage in storages.items() if ".experts." in name}
+    assert experts and len({storage.data_ptr() for storage in experts.values()}) == 1  # one mapping, all experts
+    assert all(storage.nbytes() == size for storage in experts.values())
+    assert all(storage.nbytes() < size for name, storage in storages.items() if name not in experts)
+    ids = torch.arange(3, 15).unsqueeze(0)  # [1, 12]
+    with torch.inference_mode():
+        logits = [m.model(ids, torch.arange(12).unsqueeze(0), m.model.new_cache(12)).logits for m in (built, cached)]
+    assert torch.equal(*logits)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -55,24 +56,33 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], int]:
         raise SpecDecodeError(f"{path} is corrupt or truncated ({error})") from None
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, mapped: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
     """Every tensor of `path` (a file this package wrote: a quantized copy in the cache), each in its own
-    allocation; a SpecDecodeError naming the file if it is not a well-formed safetensors file (read_header's
-    checks, a dtype read_tensors has no PyTorch type for)."""
+    allocation, except those `mapped` names: views into one private mapping of the file, whose pages are read
+    when first touched and which the system may drop again under memory pressure (a mixture of experts' experts:
+    most of them idle at any moment). A SpecDecodeError naming the file if it is not a well-formed safetensors
+    file (read_header's checks, a dtype read_tensors has no PyTorch type for)."""
     tensors = {}
     try:
         entries, data_start = _checked_header(path)
         unknown = sorted({entry.dtype for entry in entries.values()} - DTYPES.keys())
         if unknown:
             raise _Corrupt(f"dtype {unknown[0]} is not one read here")
+        mapping = None  # the file's bytes, mapped copy-on-write: nothing a process does reaches the file
         with open(path, "rb") as file:
             for name, entry in sorted(entries.items(), key=lambda item: item[1].begin):
-                raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)  # [bytes]
-                file.seek(data_start + entry.begin)
-                if len(raw) and file.readinto(memoryview(raw.numpy())) != len(raw):
-                    raise _Corrupt(f"{name} is cut short")
+                if mapped(name) and entry.end > entry.begin:
+                    if mapping is None:
+                        mapping = torch.UntypedStorage.from_file(str(path), False, file.seek(0, 2))
+                    raw = torch.empty(0, dtype=torch.uint8).set_(mapping, data_start + entry.begin,
+                                                                 (entry.end - entry.begin,))  # [bytes]
+                else:
+                    raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)  # [bytes]
+                    file.seek(data_start + entry.begin)
+                    if len(raw) and file.readinto(memoryview(raw.numpy())) != len(raw):
+                        raise _Corrupt(f"{name} is cut short")
                 tensors[name] = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: a mapping torch could not make
         raise SpecDecodeError(f"{path} is corrupt or truncated ({error}); delete it to rebuild") from None
     return tensors
 
