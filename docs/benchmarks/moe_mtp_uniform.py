@@ -10,10 +10,11 @@ layout and quantized by llama.cpp's own `llama-quantize ... Q4_K_M` (moe_vs_llam
 No weights of the model can be had offline. Random weights route evenly and the random MTP layer's drafts are
 almost never accepted, so speculation cannot pay here: what is measured is what it costs, each method in turn
 with plain decoding in every round:
-- `mtp` as a user runs it (the speed guard on);
+- `mtp` as a user runs it (the speed guard on; on a mixture of experts also per-step choice, which prices a draft
+  by the distinct experts its rows read: drafters/verify_cost.py);
 - `mtp` with the guard off and a fixed draft of 3, the naive speculation that papers measure below plain;
-- `auto` (the MTP layer and suffix lookups under per-step choice, which prices a draft by the distinct experts its
-  rows read: drafters/verify_cost.py), with the depth it chose for each member.
+- `auto` (the MTP layer and suffix lookups under per-step choice), with the depth it chose for each member.
+Random weights fall into loops of repeated tokens, which suffix lookups draft well: `auto`'s gain is theirs.
 Greedy, --tokens new tokens past end of sequence (random weights have no natural end), token-id prompts; every
 output compared with plain decoding's. With only --layers of 46 layers the MTP layer costs about as much as the
 trunk it drafts for; in the whole model it is one layer of 47.
@@ -37,6 +38,16 @@ SHAPE = "glm-4.5-air"
 METHODS = {"mtp": {"method": "mtp"},
            "mtp, no guard, 3 drafts": {"method": "mtp", "num_draft_tokens": 3, "guard": False, "adaptive": False},
            "auto": {"method": "auto"}}
+
+
+def resident() -> dict[str, float]:
+    """This process's resident memory in GiB: its own allocations (anon) and pages of mapped files (file)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key[3:].lower()] = int(value.split()[0]) / 2**20
+    return fields
 
 
 def prompts(count: int, vocab: int) -> list[list[int]]:
@@ -74,9 +85,12 @@ def main() -> int:
     loaded = load_model(model_file, dtype="auto", quant="auto")
     config = loaded.config
     assert config.mtp_layers == 1, "the file's MTP layer was not read"
+    memory = {"after load": resident()}
     engine = Engine(loaded)
     engine.complete([300] * 8, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
     specs = {name: SpecConfig(**options) for name, options in METHODS.items()}
+    for spec in specs.values():  # built before any timing: the MTP drafter's reduced head takes seconds to make
+        engine.drafter(spec)
     texts = prompts(args.prompts, config.vocab_size)
     rows: dict[str, list[dict]] = {name: [] for name in ["plain", *specs]}
     for round_ in range(args.rounds):
@@ -91,6 +105,7 @@ def main() -> int:
                 print(f"round {round_ + 1} prompt {i + 1} {name}: {result['ratio']:.3f}x plain, "
                       f"{result['accepted']}/{result['drafted']} accepted, identical {result['identical']}",
                       flush=True)
+    memory["after the runs"] = resident()
     summary = {}
     for name in specs:
         results = rows[name]
@@ -114,7 +129,7 @@ def main() -> int:
     result = {"shape": SHAPE, "layers": args.layers, "mtp_layers": 1, "file": model_file.name,
               "bytes": model_file.stat().st_size, "our_quant": loaded.quant, "threads": torch.get_num_threads(),
               "tokens": args.tokens, "prompts": args.prompts, "rounds": args.rounds,
-              "plain_tokens_per_second": plain_speed, "summary": summary, "runs": rows}
+              "plain_tokens_per_second": plain_speed, "resident_gib": memory, "summary": summary, "runs": rows}
     for results in rows.values():
         for r in results:
             r.pop("ids")
@@ -131,6 +146,8 @@ def main() -> int:
         lines.append(f"| {name} | {s['ratio_median']:.3f} | {s['ratio_min']:.3f} | {s['ratio_max']:.3f} | "
                      f"{s['drafting_share']:.1%} | {s['accepted']} / {s['drafted']} | {s['mean_draft_length']:.2f} | "
                      f"{chosen} | {'yes' if s['identical'] else 'NO'} |")
+    lines += ["", "Resident memory (GiB; a quantized copy read from the cache maps its experts, file pages): " + "; ".join(
+        f"{when}: {m['anon']:.2f} own, {m['file']:.2f} mapped" for when, m in memory.items())]
     write_report(args.out, "moe-mtp-uniform", result, lines)
     return 0
 

@@ -264,6 +264,11 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
         if key not in members:
             members[key] = create_member(cls, spec, resources)
         chosen.append(members[key])
-    if len(chosen) == 1:
+    tally = ExpertTally.of(resources.target.model)
+    if len(chosen) == 1 and (tally is None or not spec.guard):
         return chosen[0]
-    return CombinationDrafter(chosen, spec.combine, ExpertTally.of(resources.target.model))
+    # On a mixture of experts one drafter alone runs under per-step choice too (unless --no-guard asked for every
+    # draft): each drafted row can add experts for the verify forward to read, so a draft must promise more than a
+    # plain step before it is made (verify_cost.py). The speed guard judges windows of steps already run: where a
+    # draft costs as much as a MoE's (an MTP layer is a whole sparse layer and the head) that verdict comes late.
+    return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally)

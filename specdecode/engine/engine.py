@@ -139,7 +139,8 @@ class Engine:
 
     @staticmethod
     def _key(spec: SpecConfig) -> tuple:
-        return spec.method, spec.options, spec.combine
+        # The guard too: on a mixture of experts it decides whether one drafter alone runs under per-step choice.
+        return spec.method, spec.options, spec.combine, spec.guard
 
     def _evict_drafters(self) -> None:
         """Past MAX_DRAFTER_CONFIGS, drop the least recently used configurations (never the default) and the

@@ -241,7 +241,7 @@ class ExpertTally:
     @classmethod
     def of(cls, model: nn.Module) -> ExpertTally | None:
         """The tally of a loaded (and fused) model's decoder layers, or None for a model without experts."""
-        moe = getattr(model.config, "moe", None)
+        moe = getattr(getattr(model, "config", None), "moe", None)
         layers = getattr(model, "layers", None)
         blocks = [] if moe is None or layers is None else [m for m in layers.modules() if isinstance(m, MoEBlock)]
         return cls(blocks, moe) if blocks else None
