@@ -15,6 +15,7 @@ with plain decoding in every round:
 - `mtp` with the guard off and a fixed draft of 3, the naive speculation that papers measure below plain;
 - `auto` (the MTP layer and suffix lookups under per-step choice), with the depth it chose for each member.
 Random weights fall into loops of repeated tokens, which suffix lookups draft well: `auto`'s gain is theirs.
+Plain decoding run a second time in each turn gives the noise floor of a ratio on this machine.
 Greedy, --tokens new tokens past end of sequence (random weights have no natural end), token-id prompts; every
 output compared with plain decoding's. With only --layers of 46 layers the MTP layer costs about as much as the
 trunk it drafts for; in the whole model it is one layer of 47.
@@ -35,7 +36,8 @@ from moe_vs_llamacpp import quantized_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 SHAPE = "glm-4.5-air"
-METHODS = {"mtp": {"method": "mtp"},
+METHODS = {"none (plain again: the noise floor)": {"method": "none"},
+           "mtp": {"method": "mtp"},
            "mtp, no guard, 3 drafts": {"method": "mtp", "num_draft_tokens": 3, "guard": False, "adaptive": False},
            "auto": {"method": "auto"}}
 

@@ -107,6 +107,7 @@ class StepChooser:
         its draft length stays the engine's (draft_length.py, the speed guard)."""
         if budget <= 1 or not self.verify.priced_by_experts:
             return budget
+
         def promise(depth: int) -> float:
             return self.promise(member, depth, depth, drafting_seconds(depth))
 

@@ -8,7 +8,7 @@ its seconds follow those experts, not the rows (docs/benchmarks: verify time wit
 experts on three shapes). There the line is in the distinct experts per sparse layer that the model's tally counted
 (ExpertTally), and a draft is priced by the experts its rows are expected to touch: learnt per row count from the
 tallies of past verify forwards, and for a row count not seen yet, uniform routing's count scaled by how far the
-seen counts fell below theirs (trained routers send neighbouring tokens to shared experts).
+seen counts fell below theirs (trained routers send neighbouring tokens to the same experts).
 """
 
 from __future__ import annotations
