@@ -146,11 +146,17 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         candidates = []
         for member in self.members:
             if member.caps.emits_probs:
-                def seconds(depth: int, member: Drafter = member) -> float:
-                    return self.chooser.drafting_seconds(member.name, depth) + self._start_share(member, seq, depth)
+                # Priced by the most nodes its proposal may hold (a tree's node budget; a chain's depth): each is
+                # drafted, and verified as a row of its own.
+                def nodes(depth: int, member: Drafter = member) -> int:
+                    return capabilities.max_nodes(member, depth)
 
-                depth = self.chooser.best_depth(member.name, budget, seconds)
-                candidates.append(Candidate(member, None, self.chooser.expected(member.name, depth, depth,
+                def seconds(depth: int, member: Drafter = member) -> float:
+                    return (self.chooser.drafting_seconds(member.name, nodes(depth))
+                            + self._start_share(member, seq, depth))
+
+                depth = self.chooser.best_depth(member.name, budget, nodes, seconds)
+                candidates.append(Candidate(member, None, self.chooser.expected(member.name, depth, nodes(depth),
                                                                                  seconds(depth)), depth))
                 continue
             proposal = self._timed_propose_many(member, [seq], [budget])[0]

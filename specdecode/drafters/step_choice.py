@@ -99,17 +99,18 @@ class StepChooser:
         """Committed tokens per second a proposal `depth` deep with `nodes` nodes is expected to give."""
         return rate(*self.expected(member, depth, nodes, draft_seconds_left))
 
-    def best_depth(self, member: str, budget: int, drafting_seconds: Callable[[int], float]) -> int:
+    def best_depth(self, member: str, budget: int, nodes: Callable[[int], int],
+                   drafting_seconds: Callable[[int], float]) -> int:
         """How deep to ask a sampling member to draft (at most `budget`): the depth whose expected committed tokens
-        per second are highest, drafting `depth` tokens costing drafting_seconds(depth). Only where verification
-        is priced by the experts it touches (verify_cost.py): there each drafted row may add experts to read, so
-        a deeper draft can cost more than it brings. A dense target's verify line is nearly flat in its rows, and
-        its draft length stays the engine's (draft_length.py, the speed guard)."""
+        per second are highest, a draft `depth` deep holding nodes(depth) nodes and costing drafting_seconds(depth).
+        Only where verification is priced by the experts it touches (verify_cost.py): there each drafted row may
+        add experts to read, so a deeper draft, or a tree, can cost more than it brings. A dense target's verify
+        line is nearly flat in its rows, and its draft length stays the engine's (draft_length.py, the guard)."""
         if budget <= 1 or not self.verify.priced_by_experts:
             return budget
 
         def promise(depth: int) -> float:
-            return self.promise(member, depth, depth, drafting_seconds(depth))
+            return self.promise(member, depth, nodes(depth), drafting_seconds(depth))
 
         best = max(range(1, budget + 1), key=lambda depth: (promise(depth), depth))
         # A position never drafted keeps the prior acceptance, which can hide a depth that pays: one position

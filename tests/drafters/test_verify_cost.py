@@ -11,6 +11,7 @@ from conftest import FakeClock
 from test_step_choice import Scripted
 
 from specdecode.drafters.combination import CombinationDrafter
+from specdecode.drafters.step_choice import StepChooser
 from specdecode.drafters.verify_cost import ExpertsByRows, LineFit, VerifyCost, uniform_touched
 from specdecode.spec_types import VerifyResult
 
@@ -134,3 +135,17 @@ def test_priced_by_experts_drafts_that_never_pay_leave_plain_decodings_speed():
     run = simulate(chain, clock, tally, 800, 0.02)
     assert run["choices"]["plain"].steps > 0.8 * 800
     assert run["rate"] > 0.95 * plain_rate()
+
+
+def test_a_tree_is_priced_by_its_nodes_and_drafts_only_where_that_pays():
+    """A tree's every node is a verify row: on a mixture of experts 12 nodes read about 73 experts a layer where a
+    3-token chain reads 29, so at the same depth and acceptance the tree promises less, here less than a plain
+    step (the chooser then drafts nothing)."""
+    tally = ScriptedTally()
+    chooser = StepChooser(["model"], tally)
+    for nodes in (0, 1, 3, 7, 11):
+        tally.touched = uniform_touched(EXPERTS, PER_TOKEN, nodes + 1)
+        chooser.verify.observe(nodes, FIXED_SECONDS + SECONDS_PER_EXPERT * tally.touched)
+    assert chooser.promise("model", 3, 12, 0.0) < chooser.promise("model", 3, 3, 0.0)
+    assert chooser.best_depth("model", 4, lambda depth: 12, lambda depth: 0.0) == 4  # its nodes cost the same
+    assert chooser.promise("model", 1, 12, 0.0) < chooser.plain_promise()  # prior acceptance: the tree never pays
