@@ -140,6 +140,11 @@ class Composite(ABC):
     def parts(self) -> list[Drafter]:
         """The drafters it is made of."""
 
+    def adapts_lengths(self) -> bool:
+        """Whether it adapts each part's draft length itself (per-step choice: one member's rejections must not
+        shorten another's drafts); the Engine then offers it the most the request's length could reach."""
+        return False
+
 
 def one_by_one(drafter: Drafter, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
     """Each request's own `propose` (a budget of 0: nothing)."""
@@ -195,6 +200,10 @@ def observe(drafter: Drafter, seq: Sequence, fed: torch.Tensor, target: TargetOu
 def parts(drafter: Drafter) -> list[Drafter]:
     """The drafters `drafter` is made of: a combination's members, or itself."""
     return drafter.parts() if isinstance(drafter, Composite) else [drafter]
+
+
+def adapts_lengths(drafter: Drafter) -> bool:
+    return isinstance(drafter, Composite) and drafter.adapts_lengths()
 
 
 def auto_rank(cls: type[Drafter]) -> int | None:

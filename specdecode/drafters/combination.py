@@ -17,6 +17,7 @@ from specdecode.config import SpecConfig
 from specdecode.drafters import capabilities
 from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
+from specdecode.drafters.draft_length import DraftLength
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
 from specdecode.drafters.step_choice import StepChooser, rate
 from specdecode.models.decoder.moe import ExpertTally
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 
 DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start waits for their first turn
+LENGTHS = "combination.lengths"  # seq.drafter_state: per-step choice's draft length per member
 PLAIN = "plain"  # the choice's name for a step it ran without drafts (seq.choices)
 
 
@@ -58,6 +60,9 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         """Every member starts, except that per-step choice defers those that can (a draft model's prompt
         forward) until first chosen: a request the lookups serve alone never pays for them."""
         deferred = set()
+        if self.chooser is not None:
+            seq.drafter_state[LENGTHS] = {member.name: DraftLength(seq.spec.num_draft_tokens, seq.spec.adaptive)
+                                          for member in self.members}
         for member in self.members:
             if self.chooser is not None and capabilities.defers_start(member):
                 member.defer_start(seq)
@@ -102,7 +107,18 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         proposals: list[DraftProposal | None] = [None] * len(seqs)
         promised: list[tuple[str, float, float] | None] = [None] * len(seqs)
         rankings: dict[int, list[Candidate]] = {}
+        # A drafter alone under the choice (a mixture of experts' target: build_drafter) drafts every step for a
+        # request that turned the guard off, as it would without the choice.
+        unguarded = [i for i, seq in enumerate(seqs) if len(self.members) == 1 and not seq.spec.guard]
+        if unguarded:
+            member = self.members[0]
+            for i, proposal in zip(unguarded, self._timed_propose_many(
+                    member, [seqs[i] for i in unguarded],
+                    [min(budgets[i], seqs[i].drafter_state[LENGTHS][member.name].current) for i in unguarded])):
+                proposals[i] = proposal
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
+            if proposals[i] is not None:
+                continue
             outright, ranking = self._ranked(seq, budget)
             if outright is None:
                 rankings[i] = ranking
@@ -144,7 +160,10 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         -> (a lookup's proposal to use outright, or None; the candidates by promise in tokens/s, best first,
         each with its proposal or None = not asked yet)."""
         candidates = []
+        lengths = seq.drafter_state[LENGTHS]
         for member in self.members:
+            # Each member's own adapted length within the step's budget (the engine offers the most: adapts_lengths).
+            budget_for = min(budget, lengths[member.name].current)
             if member.caps.emits_probs:
                 # Priced by the most nodes its proposal may hold (a tree's node budget; a chain's depth): each is
                 # drafted, and verified as a row of its own.
@@ -155,11 +174,11 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                     return (self.chooser.drafting_seconds(member.name, nodes(depth))
                             + self._start_share(member, seq, depth))
 
-                depth = self.chooser.best_depth(member.name, budget, nodes, seconds)
+                depth = self.chooser.best_depth(member.name, budget_for, nodes, seconds)
                 candidates.append(Candidate(member, None, self.chooser.expected(member.name, depth, nodes(depth),
                                                                                  seconds(depth)), depth))
                 continue
-            proposal = self._timed_propose_many(member, [seq], [budget])[0]
+            proposal = self._timed_propose_many(member, [seq], [budget_for])[0]
             if proposal.size:
                 candidate = Candidate(member, proposal, self.chooser.expected(
                     member.name, proposal_depth(proposal), proposal.size, 0.0))
@@ -211,6 +230,9 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 began, proposed_at, depth, nodes, choice = proposed
                 now = self.clock()
                 self.chooser.record_verdict(result.source, depth, result.num_accepted, nodes, now - proposed_at)
+                length = seq.drafter_state[LENGTHS].get(result.source)
+                if length is not None:
+                    length.update(depth, result.num_accepted)  # its own length, whoever else drafts
                 if choice is not None:
                     name, tokens, seconds = choice
                     seq.choices.setdefault(name, ChoiceRecord()).add(tokens, seconds, len(result.tokens),
@@ -221,11 +243,15 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     def finish(self, seq: Sequence) -> None:
         seq.drafter_state.pop(self.name, None)
         seq.drafter_state.pop(DEFERRED, None)
+        seq.drafter_state.pop(LENGTHS, None)
         for member in self.members:
             member.finish(seq)
 
     def parts(self) -> list[Drafter]:
         return list(self.members)
+
+    def adapts_lengths(self) -> bool:
+        return self.chooser is not None  # per-step choice: each member's own length (LENGTHS)
 
     def max_nodes(self, budget: int) -> int:
         return max(capabilities.max_nodes(member, budget) for member in self.members)
@@ -271,10 +297,10 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
             members[key] = create_member(cls, spec, resources)
         chosen.append(members[key])
     tally = ExpertTally.of(resources.target.model)
-    if len(chosen) == 1 and (tally is None or not spec.guard):
+    if len(chosen) == 1 and tally is None:
         return chosen[0]
-    # On a mixture of experts one drafter alone runs under per-step choice too (unless --no-guard asked for every
-    # draft): each drafted row can add experts for the verify forward to read, so a draft must promise more than a
-    # plain step before it is made (verify_cost.py). The speed guard judges windows of steps already run: where a
-    # draft costs as much as a MoE's (an MTP layer is a whole sparse layer and the head) that verdict comes late.
+    # On a mixture of experts one drafter alone runs under per-step choice too (a request with --no-guard drafts
+    # every step): each drafted row can add experts for the verify forward to read, so a draft must promise more
+    # than a plain step before it is made (verify_cost.py). The speed guard judges windows of steps already run:
+    # where a draft costs as much as a MoE's (an MTP layer is a whole sparse layer and the head) that comes late.
     return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally)

@@ -26,7 +26,7 @@ from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
 from specdecode.engine.checked_spec import CheckedSpec, check
-from specdecode.engine.draft_length import DraftLength
+from specdecode.drafters.draft_length import DraftLength
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
 from specdecode.engine.load_budget import BatchDraftBudget
 from specdecode.engine.prefill import read_chunk
@@ -139,8 +139,7 @@ class Engine:
 
     @staticmethod
     def _key(spec: SpecConfig) -> tuple:
-        # The guard too: on a mixture of experts it decides whether one drafter alone runs under per-step choice.
-        return spec.method, spec.options, spec.combine, spec.guard
+        return spec.method, spec.options, spec.combine
 
     def _evict_drafters(self) -> None:
         """Past MAX_DRAFTER_CONFIGS, drop the least recently used configurations (never the default) and the
@@ -237,7 +236,11 @@ class Engine:
     @staticmethod
     def _draft_length(drafter: Drafter, spec: SpecConfig) -> DraftLength:
         block = drafter.caps.block_size  # a block drafter's length is its block, cut by the token budget only
-        return DraftLength(block - 1, False) if block else DraftLength(spec.num_draft_tokens, spec.adaptive)
+        if block:
+            return DraftLength(block - 1, False)
+        if capabilities.adapts_lengths(drafter):  # per-step choice keeps each member's length (combination.py)
+            return DraftLength.offered(spec.num_draft_tokens, spec.adaptive)
+        return DraftLength(spec.num_draft_tokens, spec.adaptive)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
               chunk: int | None = None, reuse_prefix: bool = True, provenance: bool = False) -> Request:

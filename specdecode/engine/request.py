@@ -19,7 +19,7 @@ from specdecode.acceptance.logprobs import TokenLogprob
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.verify import verify
 from specdecode.drafters import capabilities
-from specdecode.engine.draft_length import DraftLength
+from specdecode.drafters.draft_length import DraftLength
 from specdecode.engine.provenance import StepTrace, TokenOrigin
 from specdecode.engine.speed_guard import SpeedGuard
 from specdecode.engine.stats import GenerationStats

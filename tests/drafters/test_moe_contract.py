@@ -81,7 +81,7 @@ def test_per_step_choice_prices_drafts_by_the_experts_and_keeps_plain_output(pai
     """On a MoE target per-step choice prices a verify forward by the distinct experts its rows read
     (drafters/verify_cost.py) and asks the draft model for the depth that promises most: the output stays plain
     decoding's, and the stats say which depth each chosen member drafted. A drafter alone runs under the choice
-    too there, except with the guard off (--no-guard: every draft asked for is made)."""
+    too there (test_verify_cost.py: with the guard off it drafts every step)."""
     engine = (request.getfixturevalue("w4a8_engine") if precision == "w4a8"
               else Engine(pair[0], pair[1], draft_path=pair[3]))
     spec = SpecConfig("ngram,draft", num_draft_tokens=4, combine="best")
@@ -94,6 +94,5 @@ def test_per_step_choice_prices_drafts_by_the_experts_and_keeps_plain_output(pai
         drafting = [record for name, record in result.stats.choices.items() if name != "plain" and record.drafted]
         assert drafting and all(1 <= record.drafted / record.steps <= 4 for record in drafting)
     assert chooser.verify.experts.seen  # the experts of verify forwards were counted by row count
-    alone = engine.drafter(SpecConfig("draft", num_draft_tokens=4))  # one drafter: priced too, unless --no-guard
+    alone = engine.drafter(SpecConfig("draft", num_draft_tokens=4))  # one drafter: priced too
     assert alone.chooser is not None and alone.chooser.verify.priced_by_experts
-    assert engine.drafter(SpecConfig("draft", num_draft_tokens=4, guard=False)).name == "draft"

@@ -74,12 +74,13 @@ def test_a_dense_target_prices_nodes_and_a_moe_target_prices_experts():
 
 
 def simulate(chain: CombinationDrafter, clock: FakeClock, tally: ScriptedTally | None, steps: int,
-             acceptance: float, budget: int = 8, seed: int = 0) -> dict:
+             acceptance: float, budget: int = 8, seed: int = 0, guard: bool = True) -> dict:
     """Script a request on a MoE target whose verify forward costs FIXED_SECONDS plus SECONDS_PER_EXPERT for each
     distinct expert its rows read (uniform routing) -> tokens per second and the mean depth drafted."""
     rng = random.Random(seed)
     seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * 64,
-                          sampling=SimpleNamespace(max_tokens=10 * steps), generated=0)
+                          sampling=SimpleNamespace(max_tokens=10 * steps), generated=0,
+                          spec=SimpleNamespace(num_draft_tokens=budget, adaptive=False, guard=guard))
     chain.start(seq, None)
     began, committed, drafted = clock.now, 0, 0
     for _ in range(steps):
@@ -135,6 +136,8 @@ def test_priced_by_experts_drafts_that_never_pay_leave_plain_decodings_speed():
     run = simulate(chain, clock, tally, 800, 0.02)
     assert run["choices"]["plain"].steps > 0.8 * 800
     assert run["rate"] > 0.95 * plain_rate()
+    unguarded = simulate(chain, clock, tally, 100, 0.02, guard=False)  # --no-guard: every step drafts, in full
+    assert unguarded["depth"] == 8 and unguarded["rate"] < 0.5 * plain_rate()
 
 
 def test_a_tree_is_priced_by_its_nodes_and_drafts_only_where_that_pays():

@@ -15,6 +15,15 @@ class DraftLength:
         self.adaptive = adaptive and initial > 0
         self.maximum = 2 * initial
 
+    @classmethod
+    def offered(cls, initial: int, adaptive: bool) -> DraftLength:
+        """The most a DraftLength(initial, adaptive) can reach, fixed: for a drafter that adapts its members'
+        lengths itself (capabilities.Composite.adapts_lengths), which each keep their own within it."""
+        length = cls(initial, adaptive)
+        length.current = length.maximum if length.adaptive else initial
+        length.adaptive = False
+        return length
+
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:
             return
