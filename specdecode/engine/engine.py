@@ -25,8 +25,8 @@ from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
-from specdecode.engine.checked_spec import CheckedSpec, check
 from specdecode.drafters.draft_length import DraftLength
+from specdecode.engine.checked_spec import CheckedSpec, check
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
 from specdecode.engine.load_budget import BatchDraftBudget
 from specdecode.engine.prefill import read_chunk
