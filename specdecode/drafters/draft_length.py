@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from specdecode.drafters import capabilities
+
+if TYPE_CHECKING:
+    from specdecode.config import SpecConfig
+    from specdecode.drafters.base import Drafter
+
 
 class DraftLength:
     """Grows by one after a fully accepted draft and shrinks by one after a rejection, within [1, 2 * initial].
@@ -31,3 +39,14 @@ class DraftLength:
             self.current = min(self.current + 1, self.maximum)
         else:
             self.current = max(1, self.current - 1)
+
+
+def draft_length_for(drafter: Drafter, spec: SpecConfig) -> DraftLength:
+    """A request's draft length: a block drafter's block (cut by the token budget only); the most a combination
+    that keeps each member's own length is offered (per-step choice: combination.py); else the spec's."""
+    block = drafter.caps.block_size
+    if block:
+        return DraftLength(block - 1, False)
+    if capabilities.adapts_lengths(drafter):
+        return DraftLength.offered(spec.num_draft_tokens, spec.adaptive)
+    return DraftLength(spec.num_draft_tokens, spec.adaptive)

@@ -25,7 +25,7 @@ from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
-from specdecode.drafters.draft_length import DraftLength
+from specdecode.drafters.draft_length import draft_length_for
 from specdecode.engine.checked_spec import CheckedSpec, check
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
 from specdecode.engine.load_budget import BatchDraftBudget
@@ -226,21 +226,12 @@ class Engine:
     def _rollback_rows(self, drafter: Drafter, spec: SpecConfig) -> int:
         """The rows a verify forward may roll back over (root and proposed nodes): a hybrid trunk keeps each one's
         recurrent states until the step commits."""
-        return capabilities.max_nodes(drafter, self._draft_length(drafter, spec).maximum) + 1
+        return capabilities.max_nodes(drafter, draft_length_for(drafter, spec).maximum) + 1
 
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
         capacity = min(self.context_limit, prompt_len + sampling.max_tokens)
-        return capacity + capabilities.max_nodes(drafter, self._draft_length(drafter, spec).maximum)
-
-    @staticmethod
-    def _draft_length(drafter: Drafter, spec: SpecConfig) -> DraftLength:
-        block = drafter.caps.block_size  # a block drafter's length is its block, cut by the token budget only
-        if block:
-            return DraftLength(block - 1, False)
-        if capabilities.adapts_lengths(drafter):  # per-step choice keeps each member's length (combination.py)
-            return DraftLength.offered(spec.num_draft_tokens, spec.adaptive)
-        return DraftLength(spec.num_draft_tokens, spec.adaptive)
+        return capacity + capabilities.max_nodes(drafter, draft_length_for(drafter, spec).maximum)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
               chunk: int | None = None, reuse_prefix: bool = True, provenance: bool = False) -> Request:
@@ -253,7 +244,7 @@ class Engine:
         spec = self.spec if spec is None else self.check_spec(spec)
         self.check_prompt(prompt_ids)
         drafter = self.drafter(spec)
-        draft_length = self._draft_length(drafter, spec)
+        draft_length = draft_length_for(drafter, spec)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         generator = torch.Generator(device=self.target.model.device)
         generator.manual_seed(seed)

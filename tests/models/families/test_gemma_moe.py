@@ -11,12 +11,11 @@ import pytest
 import torch
 from gemma_reference import PLAIN, save_gemma
 from safetensors.torch import load_file
+from test_moe import assert_rows_alone_bitwise
 
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.decoder.moe import MoEConfig
-from specdecode.models.decoder.packed_linear import can_pack, pack_linears
 from specdecode.models.families.gemma4.moe import GemmaMoEBlock
-from specdecode.models.kernels.quantize_module import quantize_linears
 from specdecode.models.kernels.w4a8_linear import w4a8_unavailable
 from specdecode.models.loader import load_model
 from specdecode.models.model_config import ModelConfig
@@ -120,27 +119,7 @@ def gemma_block() -> GemmaMoEBlock:
 
 @pytest.mark.parametrize("kernel", ["packed-float32", "w4a8"])
 def test_rows_grouped_by_expert_give_each_row_the_bits_it_has_alone(kernel):
-    block = gemma_block()
-    if kernel == "w4a8":
-        if (reason := w4a8_unavailable()) is not None:
-            pytest.skip(f"w4a8 cannot run on this machine: {reason}")
-        quantize_linears(block, "w4a8")
-    else:
-        if not can_pack(block):
-            pytest.skip("oneDNN's packed kernels are unavailable here")
-        pack_linears(block)
-    if can_pack(block):
-        block.router.pack()
-    x = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(3))  # [1, 24, H]
-    with torch.inference_mode():
-        together = block(x)  # [1, 24, H]
-        alone = torch.cat([block(x[:, row : row + 1]) for row in range(24)], dim=1)
-        chosen = block.router(x[0])[1]  # [24, k]
-    assert len(chosen.unique()) < chosen.numel()  # rows did share experts, each read once for all of them
-    assert torch.equal(together, alone)
-    with torch.inference_mode():
-        block(x)
-    assert block.touched() == len(chosen.unique())  # what per-step choice prices a draft by (verify_cost.py)
+    assert_rows_alone_bitwise(gemma_block(), kernel)  # Gemma's router reads the block's input, as the shared one
 
 
 @pytest.mark.parametrize("quant", ["none", "w4a8"])
