@@ -11,7 +11,7 @@ import pytest
 import torch
 from gemma_reference import PLAIN, save_gemma
 from safetensors.torch import load_file
-from test_moe import assert_rows_alone_bitwise
+from test_moe import assert_rows_alone_bitwise, logits
 
 from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.decoder.moe import MoEConfig
@@ -40,18 +40,6 @@ def reference_logits(folder, ids: torch.Tensor, experts: str) -> torch.Tensor:
                                                  experts_implementation=experts).eval()
     with torch.no_grad():
         return model(ids).logits  # [1, T, V]
-
-
-def logits(model, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-    """The model's logits over ids [1, T], read in chunks of `chunk` tokens (None: at once) -> [1, T, V]."""
-    length = ids.shape[1]
-    chunk = chunk or length
-    cache, parts = model.new_cache(length), []
-    with torch.inference_mode():
-        for start in range(0, length, chunk):
-            positions = torch.arange(start, min(start + chunk, length)).unsqueeze(0)  # [1, C]
-            parts.append(model(ids[:, start : start + chunk], positions, cache).logits)
-    return torch.cat(parts, dim=1)
 
 
 @pytest.mark.parametrize(("experts", "chosen", "plain"), [(8, 2, False), (4, 1, True), (16, 4, True)])
