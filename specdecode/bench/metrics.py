@@ -132,5 +132,23 @@ def by_category(runs: list[list[QuestionResult]], baseline_runs: list[list[Quest
     return table
 
 
+def against_fastest(method: str, singles: list[str], summaries: dict[str, dict], categories: dict[str, dict]
+                    ) -> dict:
+    """`method`'s mean tokens/s over the fastest of `singles`' in the same run (a ratio of speedups, since all share
+    one baseline), overall and per category: how close a combination such as `auto` comes to its best member."""
+    def ratio(value: float, best: float) -> float | None:
+        return round(value / best, 3) if best else None
+
+    fastest = max(singles, key=lambda name: summaries[name]["tokens_per_second"])
+    per_category = {}
+    for category, values in categories[method].items():
+        best = max(singles, key=lambda name: categories[name][category]["tokens_per_second"])
+        per_category[category] = {"fastest": best, "ratio": ratio(values["tokens_per_second"],
+                                                                  categories[best][category]["tokens_per_second"])}
+    return {"fastest": fastest, "ratio": ratio(summaries[method]["tokens_per_second"],
+                                               summaries[fastest]["tokens_per_second"]),
+            "by_category": per_category}
+
+
 def _in_category(run: list[QuestionResult], category: str) -> list[QuestionResult]:
     return [r for r in run if r.category == category]

@@ -80,10 +80,12 @@ def markdown(summaries: dict[str, dict], categories: dict[str, dict], setup: dic
     for name, per_category in categories.items():
         lines.append(f"| {name} | " + " | ".join(f"{v['tokens_per_second']:.2f} ({v['speedup']:.2f}x)"
                                                   for v in per_category.values()) + " |")
+    lines += against_fastest_lines(summaries)
     lines += divergence_lines(summaries)
     lines += choice_lines(summaries)
     lines += ["", "## Definitions (Spec-Bench)", "",
-              "- tokens/s: per question, new tokens over wall time (all turns, prefill included), then the mean.",
+              "- tokens/s: per question, new tokens over wall time (all turns, prefill included; with a fresh "
+              "process per answer, the requests' own time, load and warm-up excluded), then the mean.",
               "- speedup: mean tokens/s of the method over mean tokens/s of plain decoding of the same family "
               "(ours: `none`; transformers: `hf:plain`; an OpenAI-compatible server: our `none`), measured in the "
               "same run on the same prompts.",
@@ -108,6 +110,23 @@ def choice_lines(summaries: dict[str, dict]) -> list[str]:
     return ["", "## Per-step choice: promised against realised", "",
             "| method | chosen | steps | tokens/step promised | realised | tokens/s promised | realised | draft depth |",
             "|---|---|---|---|---|---|---|---|", *rows]
+
+
+def against_fastest_lines(summaries: dict[str, dict]) -> list[str]:
+    """`auto` over the fastest single method of the run, overall and per category (metrics.against_fastest)."""
+    rows = []
+    for name, summary in summaries.items():
+        against = summary.get("against_fastest_single")
+        if against:
+            cells = [f"{_cell(against['ratio'], '{:.3f}')} ({against['fastest']})"]
+            cells += [f"{_cell(c['ratio'], '{:.3f}')} ({c['fastest']})" for c in against["by_category"].values()]
+            rows.append((name, list(against["by_category"]), cells))
+    if not rows:
+        return []
+    categories = rows[0][1]
+    return ["", "## Against the fastest single method (tokens/s over its tokens/s; which one it was)", "",
+            "| method | overall | " + " | ".join(categories) + " |", "|---|" + "---|" * (len(categories) + 1),
+            *(f"| {name} | " + " | ".join(cells) + " |" for name, _, cells in rows)]
 
 
 def _cell(value, fmt: str) -> str:

@@ -20,6 +20,8 @@ class TurnOutput:
     token_ids: list[int] | None = None  # None where a peer's API returns text only
     stats: GenerationStats | None = None  # ours only: what the engine measured
     extra: dict = field(default_factory=dict)  # peer-reported or peer-measured details (ttft, server timings)
+    # The answer's own time where the runner's wall time holds more (a fresh process's load); None: the wall time.
+    seconds: float | None = None
 
 
 # One turn of a conversation: messages so far -> the answer.
@@ -31,7 +33,7 @@ class QuestionResult:
     question_id: str
     category: str
     new_tokens: int = 0
-    seconds: float = 0.0  # wall time over all turns, prefill included
+    seconds: float = 0.0  # wall time over all turns, prefill included (in a fresh process: the requests alone)
     token_ids: list[list[int]] | None = field(default_factory=list)  # per turn; None for text-only peers
     stats: GenerationStats | None = None  # ours only: what the engine measured
     error: str | None = None  # what failed on this question; the run goes on
@@ -65,7 +67,7 @@ def run_question(question: Question, run_turn: TurnRunner) -> QuestionResult:
             # One failed question (a peer's error, a library's) is recorded; the other results still count.
             result.error = f"{type(error).__name__}: {error}"
             return result
-        result.seconds += perf_counter() - started
+        result.seconds += perf_counter() - started if output.seconds is None else output.seconds
         result.new_tokens += output.new_tokens
         result.extra.append(output.extra)
         if output.token_ids is None:

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from specdecode.bench.datasets import Question
 from specdecode.bench.divergence import NEAR_TIE_GAP, top2_gap
-from specdecode.bench.metrics import by_category, summarize
+from specdecode.bench.fresh_process import FreshProcess, fresh_turn_runner
+from specdecode.bench.metrics import against_fastest, by_category, summarize
 from specdecode.bench.openai_peer import OpenAIPeer
 from specdecode.bench.report import choice_lines, table, write_outputs
 from specdecode.bench.runner import MethodSpec, QuestionResult, TurnRunner, engine_turn_runner, run_question
@@ -76,10 +77,13 @@ def _option_value(name: str, text: str, kind: type):
 
 
 def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpec], sampling: SamplingParams,
-              peers: list[str], repeats: int, out: Path | None, setup: dict) -> None:
-    """Every method on every question, then the summaries: a table on stdout, files in `out`, a JSON line."""
-    factories = runner_factories(engine, methods, peers)
-    raw = run_all(questions, methods, factories, sampling, repeats)
+              peers: list[str], repeats: int, out: Path | None, setup: dict,
+              fresh_process: FreshProcess | None = None) -> None:
+    """Every method on every question, then the summaries: a table on stdout, files in `out`, a JSON line.
+    `fresh_process`: answer each of our turns in a new process (bench/fresh_process.py); None: all in this one."""
+    factories = runner_factories(engine, methods, peers, fresh_process)
+    cold = {m.name for m in methods if m.family == "specdecode"} if fresh_process is not None else set()
+    raw = run_all(questions, methods, factories, sampling, repeats, cold)
 
     summaries, categories = {}, {}
     for method in methods:
@@ -87,6 +91,12 @@ def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpe
         categories[method.name] = by_category(raw[method.name], raw[method.baseline])
         if method.family != "specdecode":
             summaries[method.name]["speedup_vs_ours_plain"] = summarize(raw[method.name], raw["none"])["speedup"]
+    singles = [m.name for m in methods if m.family == "specdecode" and len(m.spec.methods) == 1
+               and m.spec.method not in ("none", "auto")]
+    for method in methods:
+        if singles and method.family == "specdecode" and "auto" in method.spec.methods:
+            summaries[method.name]["against_fastest_single"] = against_fastest(method.name, singles, summaries,
+                                                                               categories)
     if sampling.greedy:
         explain_divergences(engine, questions, methods, summaries, raw)
     else:  # sampled outputs equal plain decoding's only for ours under the coupled rule; others differ by design
@@ -103,8 +113,10 @@ def run_bench(engine: Engine, questions: list[Question], methods: list[MethodSpe
     print(json.dumps({name: {key: s.get(key) for key in HEADLINE} for name, s in summaries.items()}))
 
 
-def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]) -> dict[str, RunnerFactory]:
-    """Method name -> (sampling -> turn runner); appends the peers' methods to `methods`.
+def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str],
+                     fresh_process: FreshProcess | None = None) -> dict[str, RunnerFactory]:
+    """Method name -> (sampling -> turn runner); appends the peers' methods to `methods`. With `fresh_process`
+    each of our turns runs in a process of its own.
 
     Each runner of ours gets its own Engine over the same loaded models: a drafter cache that outlives a request
     (suffix's responses) then holds only that method's own earlier answers, not another method's answer to the
@@ -117,8 +129,11 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
         engine.resources.own_weights = reference.resources.own_weights
         return engine
 
-    factories: dict[str, RunnerFactory] = {
-        m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}
+    if fresh_process is not None:
+        factories: dict[str, RunnerFactory] = {
+            m.name: (lambda s, spec=m.spec: fresh_turn_runner(fresh_process, spec, s)) for m in methods}
+    else:
+        factories = {m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}
     if "hf" in peers:
         from specdecode.bench.hf_peer import HFPeer
 
@@ -134,12 +149,15 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
 
 
 def run_all(questions: list[Question], methods: list[MethodSpec], factories: dict[str, RunnerFactory],
-            sampling: SamplingParams, repeats: int) -> dict[str, list[list[QuestionResult]]]:
-    # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed.
+            sampling: SamplingParams, repeats: int, cold: set[str] = frozenset()
+            ) -> dict[str, list[list[QuestionResult]]]:
+    # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed; not for
+    # the `cold` ones, whose answers each have a fresh process: its first-call costs are what that mode measures.
     warm_sampling = replace(sampling, max_tokens=min(8, sampling.max_tokens))
     warm_question = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
-    for factory in factories.values():
-        run_question(warm_question, factory(warm_sampling))
+    for name, factory in factories.items():
+        if name not in cold:
+            run_question(warm_question, factory(warm_sampling))
     runners = {name: factory(sampling) for name, factory in factories.items()}
     raw: dict[str, list[list[QuestionResult]]] = {m.name: [] for m in methods}
     with tqdm(total=len(methods) * len(questions) * repeats, desc="bench", unit="run", file=sys.stderr) as bar:

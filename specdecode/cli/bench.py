@@ -6,8 +6,10 @@ import argparse
 from pathlib import Path
 
 from specdecode.bench.datasets import load_questions
+from specdecode.bench.fresh_process import FreshProcess
 from specdecode.bench.load import run_load_bench
 from specdecode.bench.suite import parse_methods, run_bench
+from specdecode.cli import bench_answer
 from specdecode.cli.options import (
     add_model_args,
     add_sampling_args,
@@ -53,6 +55,9 @@ def add_parser(commands) -> None:
                        "our server a per-request method (spec=none: plain decoding), and ',cache=on' to let "
                        "llama.cpp or ours reuse prompts they have seen (off by default: cold prompts)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat every run R times (mean and spread)")
+    bench.add_argument("--fresh-process", action="store_true",
+                       help="answer each turn of our methods in a new process (load, warm-up, one request), as "
+                       "`specdecode generate` once per question does; an answer's time is its request's alone")
     bench.add_argument("--out", help="folder for results.json, report.md and plots")
     add_model_args(bench)
     add_spec_args(bench)
@@ -87,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     setup = {"target": target.name, "draft": draft.name if draft else None, "dtype": str(target.model.dtype),
              "quant": target.quant, "draft_quant": draft.quant if draft else None,
              "questions": len(questions), "max_tokens": sampling.max_tokens,
-             "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset)}
-    run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup)
+             "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset),
+             "process": "a fresh one per answer" if args.fresh_process else "one for every answer"}
+    run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup,
+              FreshProcess(bench_answer.COMMAND, bench_answer.model_arguments(args)) if args.fresh_process else None)
     return 0

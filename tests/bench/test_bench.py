@@ -289,3 +289,20 @@ def test_weights_a_drafter_loads_itself_load_in_the_warm_up_not_in_a_measured_qu
     measured = run_question(question, factory(sampling))
     assert len(loads) == 1
     assert measured.stats.drafted_tokens > 0  # it drafted, through the head the warm-up loaded
+
+
+def test_auto_is_set_against_the_fastest_single_method_overall_and_per_category():
+    from specdecode.bench.metrics import against_fastest
+    from specdecode.bench.report import against_fastest_lines
+
+    summaries = {"draft": {"tokens_per_second": 40.0}, "suffix": {"tokens_per_second": 30.0},
+                 "auto": {"tokens_per_second": 38.0}}
+    categories = {"draft": {"code": {"tokens_per_second": 50.0}, "math": {"tokens_per_second": 20.0}},
+                  "suffix": {"code": {"tokens_per_second": 10.0}, "math": {"tokens_per_second": 25.0}},
+                  "auto": {"code": {"tokens_per_second": 45.0}, "math": {"tokens_per_second": 25.0}}}
+    against = against_fastest("auto", ["draft", "suffix"], summaries, categories)
+    assert against == {"fastest": "draft", "ratio": 0.95,
+                       "by_category": {"code": {"fastest": "draft", "ratio": 0.9},
+                                       "math": {"fastest": "suffix", "ratio": 1.0}}}
+    summaries["auto"]["against_fastest_single"] = against
+    assert "| auto | 0.950 (draft) | 0.900 (draft) | 1.000 (suffix) |" in against_fastest_lines(summaries)
