@@ -48,6 +48,10 @@ class Sequence:
     # Under the coupled rule with sampling, the request's noise by position (acceptance/noise.py): the target and
     # every drafter that samples draw with it instead of `generator`. None otherwise.
     noise: PositionNoise | None = None
+    # The target's prefill seconds per prompt token (the engine's estimate, from prompts longer than a catch-up;
+    # None before one was read): per-step choice prices a deferred drafter's first catch-up by it until one has
+    # been timed, a bound, since a drafter reads a token for less than its target does.
+    target_prefill_seconds_per_token: float | None = None
 
     @property
     def generated(self) -> int:

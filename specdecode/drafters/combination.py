@@ -194,7 +194,8 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
             return 0.0
         left = max(1, seq.sampling.max_tokens - seq.generated)
         share = min(1.0, (budget + 1) / left)
-        return share * self.chooser.start_seconds(member.name, capabilities.pending_tokens(member, seq))
+        return share * self.chooser.start_seconds(member.name, capabilities.pending_tokens(member, seq),
+                                                  seq.target_prefill_seconds_per_token)
 
     def _timed_propose_many(self, member: Drafter, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """member's proposals, timed into the chooser's estimates: a request where the member starts late (its

@@ -15,7 +15,10 @@ verify line's cost at 0 nodes), the step drafts nothing, and counts as "chooser_
 A member that can begin a request without the prefill (a draft model, capabilities.DeferredStart) starts only when
 first chosen, so a request the lookups serve alone never pays its prompt forward. That catch-up on the whole
 context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
-of the estimated catch-up (seconds per context token, measured the first times it happens).
+of the estimated catch-up (seconds per context token, measured the first times it happens). Until one has been
+measured it is priced at the target's own prefill rate (Sequence.target_prefill_seconds_per_token), as the batched
+load budget prices it: a bound, where pricing it at nothing let a fresh process's first request start the draft
+model on a long prompt for a few steps of a short answer (#62: a fresh process per answer, extraction).
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
 prior alone can hide a good one behind a member that has learnt its worth.
@@ -128,9 +131,11 @@ class StepChooser:
     def drafting_seconds(self, member: str, tokens: int) -> float:
         return self.members[member].seconds_per_token * tokens
 
-    def start_seconds(self, member: str, context_tokens: int) -> float:
-        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal."""
-        return self.members[member].seconds_per_start_token * context_tokens
+    def start_seconds(self, member: str, context_tokens: int, unmeasured_per_token: float | None = None) -> float:
+        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal: at its
+        measured rate, else at `unmeasured_per_token` (the target's prefill rate, a bound), else free."""
+        per_token = self.members[member].seconds_per_start_token or unmeasured_per_token or 0.0
+        return per_token * context_tokens
 
     def record_start(self, member: str, seconds: float, context_tokens: int, tokens: int) -> None:
         """A deferred member's first proposal of a request: `seconds` for reading `context_tokens` and drafting

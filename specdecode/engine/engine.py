@@ -284,6 +284,7 @@ class Engine:
             return None
         target_seconds = request.stats.prefill_seconds
         self.load_budget.observe_prefill(request.prompt_len - request.stats.cached_prompt_tokens, target_seconds)
+        request.target_prefill_seconds_per_token = self.load_budget.prefill_seconds_per_token
         first = request.verdict(DraftProposal.empty(), prompt.logits).next_token
         request.tokens.append(first)
         if request.provenance:

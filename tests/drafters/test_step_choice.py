@@ -65,14 +65,17 @@ class Deferred(Scripted, DeferredStart):
 
 
 def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0,
-             prompt_len: int = 100, spec: SimpleNamespace | None = None) -> dict:
-    """Script a request of `steps` steps through the chain; -> tokens per second, how often each member won
-    (and "plain", steps the chooser left without drafts) and the empty proposals' reasons."""
+             prompt_len: int = 100, spec: SimpleNamespace | None = None, prefill_per_token: float | None = None
+             ) -> dict:
+    """Script a request of `steps` steps through the chain (the target read its prompt at `prefill_per_token`
+    seconds a token, None: unknown); -> tokens per second, how often each member won (and "plain", steps the
+    chooser left without drafts) and the empty proposals' reasons."""
     rng = random.Random(seed)
     members = {m.name: m for m in chain.members}
     seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * prompt_len,
                           sampling=SimpleNamespace(max_tokens=4 * steps), generated=0,
-                          spec=spec or SimpleNamespace(num_draft_tokens=budget, adaptive=False, guard=True))
+                          spec=spec or SimpleNamespace(num_draft_tokens=budget, adaptive=False, guard=True),
+                          target_prefill_seconds_per_token=prefill_per_token)
     chain.start(seq, None)
     began, committed, wins, withheld = clock.now, 0, dict.fromkeys([*members, "plain"], 0), set()
     for _ in range(steps):
@@ -172,9 +175,9 @@ def test_no_drafts_when_no_member_promises_more_than_a_plain_step():
     assert run["rate"] > 0.85 / VERIFY_SECONDS
 
 
-def deferred_chain(start_seconds_per_token: float):
+def deferred_chain(start_seconds_per_token: float, lookup_acceptance: float = 0.5):
     clock = FakeClock()
-    lookup = Scripted("lookup", clock, 0.001, 0.5, samples=False)
+    lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
     model = Deferred("model", clock, 0.05, 0.9, samples=True, start_seconds_per_token=start_seconds_per_token)
     chain = CombinationDrafter([lookup, model], "best")
     chain.clock = clock
@@ -197,6 +200,24 @@ def test_a_costly_start_is_weighed_against_the_tokens_left():
     assert model.started == 1 and short["wins"]["model"] == 0
     simulate(chain, clock, 300, prompt_len=100)
     assert model.started == 2
+
+
+def test_an_unmeasured_start_is_priced_at_the_targets_prefill_rate():
+    """A fresh engine has timed no catch-up yet: on a long prompt and a short request it prices the first one at
+    what the target took to read a prompt token (a bound), so the lookups serve the request alone; with no such
+    rate known the start was free and the model started for a few steps (#62, a fresh process per answer)."""
+    def chain_and_model():
+        return deferred_chain(start_seconds_per_token=0.02, lookup_acceptance=0.05)
+
+    chain, clock, model = chain_and_model()
+    simulate(chain, clock, 4, prompt_len=2000, prefill_per_token=0.06)
+    assert model.started == 0
+    chain, clock, model = chain_and_model()
+    simulate(chain, clock, 4, prompt_len=2000)
+    assert model.started == 1
+    chain, clock, model = chain_and_model()
+    simulate(chain, clock, 300, prompt_len=2000, prefill_per_token=0.06)  # a long request: worth starting
+    assert model.started == 1
 
 
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():
