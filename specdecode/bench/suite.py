@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,7 +149,7 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
 
 
 def run_all(questions: list[Question], methods: list[MethodSpec], factories: dict[str, RunnerFactory],
-            sampling: SamplingParams, repeats: int, cold: set[str] = frozenset()
+            sampling: SamplingParams, repeats: int, cold: Container[str] = frozenset()
             ) -> dict[str, list[list[QuestionResult]]]:
     # One short pass per method first, so first-call costs (allocation, kernel selection) are not timed; not for
     # the `cold` ones, whose answers each have a fresh process: its first-call costs are what that mode measures.
