@@ -131,7 +131,7 @@ class StepChooser:
     def drafting_seconds(self, member: str, tokens: int) -> float:
         return self.members[member].seconds_per_token * tokens
 
-    def start_seconds(self, member: str, context_tokens: int, unmeasured_per_token: float | None = None) -> float:
+    def start_seconds(self, member: str, context_tokens: int, unmeasured_per_token: float | None) -> float:
         """Estimated seconds for a deferred member to read `context_tokens` before its first proposal: at its
         measured rate, else at `unmeasured_per_token` (the target's prefill rate, a bound), else free."""
         per_token = self.members[member].seconds_per_start_token or unmeasured_per_token or 0.0
