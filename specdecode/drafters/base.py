@@ -25,6 +25,7 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 if TYPE_CHECKING:
     import torch
 
+    from specdecode.drafters.step_choice import DraftingCost
     from specdecode.models.loader import LoadedModel
 
 
@@ -53,6 +54,9 @@ class DrafterResources:
     # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
     # differ only in options share them, and the Engine counts them once.
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)
+    # Method -> its drafting costs as the Engine's warm-up measured them (engine/warm_up.py), for per-step choice
+    # until requests time their own (step_choice.py). Measured on this machine, so Engine.forget_learned keeps them.
+    warm_costs: dict[str, DraftingCost] = field(default_factory=dict)
 
     def path_for(self, method: str) -> str | None:
         """The folder method `method` reads its own weights from, or None."""

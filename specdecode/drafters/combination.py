@@ -8,6 +8,7 @@ another member's draft got accepted; `result.source` tells each member whose pro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.draft_length import DraftLength
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
-from specdecode.drafters.step_choice import StepChooser, rate
+from specdecode.drafters.step_choice import DraftingCost, StepChooser, rate
 from specdecode.models.decoder.moe import ExpertTally
 from specdecode.spec_types import ChoiceRecord, DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -40,10 +41,12 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     name = "combination"
     clock = staticmethod(perf_counter)  # tests script it
 
-    def __init__(self, members: list[Drafter], combine: str = "first", tally: ExpertTally | None = None):
-        """tally: the target's count of the experts its forwards read, where it has experts (verify_cost.py)."""
+    def __init__(self, members: list[Drafter], combine: str = "first", tally: ExpertTally | None = None,
+                 warm_costs: Mapping[str, DraftingCost] | None = None):
+        """tally: the target's count of the experts its forwards read, where it has experts (verify_cost.py);
+        warm_costs: the members' costs as the Engine's warm-up measured them (DrafterResources.warm_costs)."""
         self.members = members
-        self.chooser = StepChooser([m.name for m in members], tally) if combine == "best" else None
+        self.chooser = StepChooser([m.name for m in members], tally, warm_costs) if combine == "best" else None
         caps = [m.caps for m in members]
         self.caps = DrafterCaps(hidden_layers=tuple(sorted({i for c in caps for i in c.hidden_layers})),
                                 final_hidden=any(c.final_hidden for c in caps),
@@ -304,4 +307,4 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
     # every step): each drafted row can add experts for the verify forward to read, so a draft must promise more
     # than a plain step before it is made (verify_cost.py). The speed guard judges windows of steps already run:
     # where a draft costs as much as a MoE's (an MTP layer is a whole sparse layer and the head) that comes late.
-    return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally)
+    return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally, resources.warm_costs)

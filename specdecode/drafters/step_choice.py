@@ -16,9 +16,15 @@ A member that can begin a request without the prefill (a draft model, capabiliti
 first chosen, so a request the lookups serve alone never pays its prompt forward. That catch-up on the whole
 context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
 of the estimated catch-up (seconds per context token, measured the first times it happens). Until one has been
-measured it is priced at the target's own prefill rate (Sequence.target_prefill_seconds_per_token), as the batched
+measured, in a request or by the warm-up (below), it is priced at the target's own prefill rate (Sequence.target_prefill_seconds_per_token), as the batched
 load budget prices it: a bound, where pricing it at nothing let a fresh process's first request start the draft
 model on a long prompt for a few steps of a short answer (#62: a fresh process per answer, extraction).
+
+Until a member's costs are timed in a request, they are what this process's warm-up measured of it drafting alone
+(DraftingCost, engine/warm_up.py): a warm draft model's seconds per drafted token and per prompt token of its start.
+Before, an untimed member drafted for free ("try it once"), so a process's first request chose the draft model on
+promises it could not keep (#62: a fresh process per answer, 5 draft-model steps promised 70.7 tokens/s and gave
+25.1). Once requests time a cost, their estimate replaces the warm-up's for the Engine's life.
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
 prior alone can hide a good one behind a member that has learnt its worth.
@@ -32,7 +38,7 @@ asked every step, and are judged on the proposal they made.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -52,12 +58,20 @@ MIN_EVIDENCE = 1.0
 COST_SMOOTHING = 0.2  # weight of the newest timing in the running cost estimates
 
 
+@dataclass(frozen=True)
+class DraftingCost:
+    """A member's costs measured outside any request (engine/warm_up.py): per-step choice's estimates until timed."""
+
+    seconds_per_token: float  # drafting time per drafted token
+    seconds_per_start_token: float | None  # a start's time per prompt token (None: not measured)
+
+
 @dataclass
 class MemberEstimate:
     accepted: list[float] = field(default_factory=list)  # per position: decayed count of acceptances
     examined: list[float] = field(default_factory=list)  # per position: decayed count of verdicts
-    seconds_per_token: float = 0.0  # drafting time per drafted token (0 until measured: try it once)
-    seconds_per_start_token: float = 0.0  # a deferred start's catch-up time per context token (0 until measured)
+    seconds_per_token: float = 0.0  # drafting time per drafted token (0 until timed in a request)
+    seconds_per_start_token: float = 0.0  # a deferred start's catch-up time per context token (0 until timed)
 
     def evidence(self) -> float:
         """Decayed count of verdicts on the first draft position."""
@@ -90,9 +104,13 @@ def rate(tokens: float, seconds: float) -> float:
 class StepChooser:
     """The estimates behind the choice, for one combination of one Engine (shared by its requests)."""
 
-    def __init__(self, members: list[str], tally: ExpertTally | None = None) -> None:
+    def __init__(self, members: list[str], tally: ExpertTally | None = None,
+                 warm_costs: Mapping[str, DraftingCost] | None = None) -> None:
+        """warm_costs: member name -> its costs as the warm-up measured them (read when needed, so a chooser
+        built before the warm-up uses them too); a member with none drafts for free until timed: try it once."""
         self.members = {name: MemberEstimate() for name in members}
         self.verify = VerifyCost(tally)
+        self.warm_costs = {} if warm_costs is None else warm_costs
 
     def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
         """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
@@ -129,12 +147,17 @@ class StepChooser:
         return 1.0 / seconds if seconds > 0 else 0.0
 
     def drafting_seconds(self, member: str, tokens: int) -> float:
-        return self.members[member].seconds_per_token * tokens
+        """Estimated seconds to draft `tokens` tokens: at the rate requests timed, else the warm-up's, else free."""
+        warm = self.warm_costs.get(member)
+        return (self.members[member].seconds_per_token or (warm.seconds_per_token if warm else 0.0)) * tokens
 
     def start_seconds(self, member: str, context_tokens: int, unmeasured_per_token: float | None) -> float:
-        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal: at its
-        measured rate, else at `unmeasured_per_token` (the target's prefill rate, a bound), else free."""
-        per_token = self.members[member].seconds_per_start_token or unmeasured_per_token or 0.0
+        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal: at the rate
+        requests timed, else the warm-up's, else at `unmeasured_per_token` (the target's prefill rate, a bound),
+        else free."""
+        warm = self.warm_costs.get(member)
+        per_token = (self.members[member].seconds_per_start_token or (warm and warm.seconds_per_start_token)
+                     or unmeasured_per_token or 0.0)
         return per_token * context_tokens
 
     def record_start(self, member: str, seconds: float, context_tokens: int, tokens: int) -> None:

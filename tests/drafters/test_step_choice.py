@@ -14,7 +14,7 @@ from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterCaps
 from specdecode.drafters.capabilities import Batching, DeferredStart
 from specdecode.drafters.combination import LENGTHS, CombinationDrafter
-from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
+from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, DraftingCost, MemberEstimate, VerifyCost
 from specdecode.spec_types import DraftProposal, VerifyResult
 
 VERIFY_SECONDS = 1.0  # a scripted target forward, whatever the number of drafted nodes
@@ -94,11 +94,12 @@ def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: in
             "lengths": seq.drafter_state.get(LENGTHS)}  # None under first-wins
 
 
-def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float):
+def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float,
+               warm_costs: dict[str, DraftingCost] | None = None):
     clock = FakeClock()
     lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
     model = Scripted("model", clock, model_cost, model_acceptance, samples=True)
-    chain = CombinationDrafter([lookup, model], combine)
+    chain = CombinationDrafter([lookup, model], combine, warm_costs=warm_costs)
     chain.clock = clock
     return chain, clock
 
@@ -220,9 +221,26 @@ def test_an_unmeasured_start_is_priced_at_the_targets_prefill_rate():
     assert model.started == 1
 
 
+def test_an_untimed_member_is_priced_by_what_the_warm_up_measured():
+    """A fresh engine's first request: the model costs 0.3 s a drafted token (a 1 s verify), too dear to pay at
+    its prior acceptance. Untimed, it drafted for free and was tried; priced by the warm-up's measure, it is not.
+    A request's own timing then replaces the warm-up's (here the warm-up undersold it)."""
+    def run(warm_costs: dict[str, DraftingCost] | None):
+        chain, clock = make_chain("best", lookup_acceptance=0.2, model_acceptance=0.6, model_cost=0.3,
+                                  warm_costs=warm_costs)
+        simulate(chain, clock, 20)
+        return chain
+
+    assert run(None).members[1].asked >= 1
+    assert run({"model": DraftingCost(0.3, None)}).members[1].asked == 0
+    undersold = run({"model": DraftingCost(0.001, None)})
+    assert undersold.members[1].asked >= 1
+    assert undersold.chooser.drafting_seconds("model", 1) == pytest.approx(0.3)
+
+
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():
     """Losslessness: whether a sampled draft is used must not depend on what was sampled."""
-    chain, clock = make_chain("best", lookup_acceptance=0.5, model_acceptance=0.99, model_cost=0.01)
+    chain, _clock = make_chain("best", lookup_acceptance=0.5, model_acceptance=0.99, model_cost=0.01)
     seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * 10, sampling=SimpleNamespace(max_tokens=64),
                           generated=0, spec=SPEC)
     chain.start(seq, None)

@@ -77,6 +77,22 @@ def test_the_engine_forgets_what_the_warm_up_taught_it(noisy_pair):
     assert first.token_ids == warmed.complete(PROMPT, GREEDY, SpecConfig("none")).token_ids
 
 
+def test_the_warm_up_measures_what_a_sampling_member_costs_and_the_engine_keeps_it(noisy_pair):
+    """The draft model (it samples its drafts) gets a DraftingCost, the lookups none; the engine's per-step choice
+    prices the draft model by it before any request timed it (drafters/step_choice.py)."""
+    target, draft = noisy_pair
+    engine = Engine(target, draft, SPEC)
+    engine.warm_up()
+    cost = engine.resources.warm_costs["draft"]
+    assert set(engine.resources.warm_costs) == {"draft"}
+    assert cost.seconds_per_token > 0 and cost.seconds_per_start_token > 0
+    chooser = engine.drafter(SPEC).chooser
+    assert chooser.members["draft"].seconds_per_token == 0  # no request timed it
+    assert chooser.drafting_seconds("draft", 3) == pytest.approx(3 * cost.seconds_per_token)
+    engine.forget_learned()
+    assert engine.resources.warm_costs["draft"] is cost  # measured on this machine, not taught by a request
+
+
 @pytest.mark.parametrize("method", ["none", "draft", "auto"])
 def test_every_default_warms_up(noisy_pair, method):
     """Whatever the engine's default (auto's members, one drafter, plain decoding), its methods each run once."""
