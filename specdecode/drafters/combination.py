@@ -9,7 +9,7 @@ another member's draft got accepted; `result.source` tells each member whose pro
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -212,7 +212,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 continue
             context = capabilities.pending_tokens(member, seq)
             began = self.clock()
-            proposals[i] = member.propose(seq, budgets[i])
+            proposals[i] = replace(member.propose(seq, budgets[i]), caught_up=True)
             deferred.remove(member.name)
             self.chooser.record_start(member.name, self.clock() - began, context, proposals[i].size)
         if going:

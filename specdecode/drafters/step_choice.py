@@ -16,9 +16,11 @@ A member that can begin a request without the prefill (a draft model, capabiliti
 first chosen, so a request the lookups serve alone never pays its prompt forward. That catch-up on the whole
 context is an investment in the rest of the request: a step is charged its share, (depth + 1) / tokens left,
 of the estimated catch-up (seconds per context token, measured the first times it happens). Until one has been
-measured, in a request or by the warm-up (below), it is priced at the target's own prefill rate (Sequence.target_prefill_seconds_per_token), as the batched
-load budget prices it: a bound, where pricing it at nothing let a fresh process's first request start the draft
-model on a long prompt for a few steps of a short answer (#62: a fresh process per answer, extraction).
+measured, in a request or by the warm-up (below), it is priced at the target's own prefill rate
+(Sequence.target_prefill_seconds_per_token), as the batched load budget prices it: a bound, where pricing it at
+nothing let a fresh process's first request start the draft model on a long prompt for a few steps of a short
+answer (#62: a fresh process per answer, extraction). The step that catches up is flagged (DraftProposal.caught_up)
+so that the speed guard, which judges windows of steps, does not take that one-off for drafting that loses.
 
 Until a member's costs are timed in a request, they are what this process's warm-up measured of it drafting alone
 (DraftingCost, engine/warm_up.py): a warm draft model's seconds per drafted token and per prompt token of its start.

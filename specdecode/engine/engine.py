@@ -331,7 +331,8 @@ class Engine:
                                               None if proposal.is_chain else proposal.parent_list(),
                                               len(tokens) - 1 if proposal.size else 0, ended - began)
             if len(requests) == 1:
-                request.guard.observe(ended - began, len(tokens), draft.proposal.size, draft.seconds)
+                request.guard.observe(ended - began, len(tokens), draft.proposal.size, draft.seconds,
+                                      draft.proposal.caught_up)
             self.load_budget.observe_sequence(request, draft.budget, len(tokens) - 1, draft.seconds)
             request.stats.draft_seconds += draft.seconds
             request.stats.verify_seconds += ended - proposed  # a batch's forward counts for each of its requests

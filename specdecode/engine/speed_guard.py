@@ -43,7 +43,10 @@ class SpeedGuard:
         self.cap: int | None = None  # the most tokens to draft while shrinking; None = as the drafter asks
         self.paused_steps_left = 0
         self.next_pause = FIRST_PAUSE
-        self.warming = True  # the first drafting step after a start or a pause pays the drafter's catch-up
+        # The first drafting step after a start or a pause pays the drafter's catch-up. So does a step where a
+        # deferred member first drafts (`caught_up`): one draft model catch-up in a window of 8 steps paused `auto`
+        # for 80 of a 512-token answer's steps (#62: a fresh process per answer, coding).
+        self.warming = True
         self.window_seconds = 0.0
         self.window_tokens = 0
         self.window_steps = 0
@@ -65,9 +68,12 @@ class SpeedGuard:
         self.last_budget = wanted if self.cap is None else min(wanted, self.cap)
         return self.last_budget, None
 
-    def observe(self, seconds: float, committed: int, drafted: int, drafting_seconds: float = 0.0) -> None:
+    def observe(self, seconds: float, committed: int, drafted: int, drafting_seconds: float = 0.0,
+                caught_up: bool = False) -> None:
         """After a step of `seconds` (drafting, verifying, committing), `drafting_seconds` of them spent asking
-        for drafts, that committed `committed` tokens and verified `drafted` drafted nodes."""
+        for drafts, that committed `committed` tokens and verified `drafted` drafted nodes; `caught_up`: its
+        drafter first read the context it had deferred (DraftProposal.caught_up), a one-off left out like the
+        first drafting step after a start."""
         if drafted == 0:
             # The plain step is the forward alone: a drafter that ran and proposed nothing must not make plain
             # decoding look slower, or speculation that pays nothing would never measure below it.
@@ -79,7 +85,7 @@ class SpeedGuard:
             return
         if self.last_budget == 0:
             return  # the plain step that timed the clock, or no room left to draft
-        if self.warming:
+        if self.warming or caught_up:
             self.warming = False
             return
         self.window_seconds += seconds

@@ -37,6 +37,20 @@ def test_a_drafter_that_pays_is_left_alone():
     assert guard.shrinks == guard.pauses == 0 and result["rate"] > 1.5 / PLAIN_SECONDS
 
 
+@pytest.mark.parametrize("flagged", [False, True])
+def test_a_deferred_drafters_catch_up_is_left_out_of_the_windows(flagged):
+    """A drafter that pays, whose 3rd drafting step first reads a long context (20 plain steps' time, a draft model
+    deferred under per-step choice): flagged as a catch-up, the guard leaves it alone; counted, it shrank the draft."""
+    guard = SpeedGuard(PlainStepClock(), enabled=True)
+    run(guard, 3, draft_cost=0.1, accepted_of=lambda k: k // 2)  # the first is the start's, left out
+    k, _reason = guard.budget(4)
+    guard.observe(PLAIN_SECONDS + 0.1 * k + 20.0, 1 + k // 2, k, 0.1 * k + 20.0, caught_up=flagged)
+    result = run(guard, 40, draft_cost=0.1, accepted_of=lambda k: k // 2)
+    budgets = result["budgets"]
+    assert budgets.count(0) == 1  # the plain step that times the clock, after a window of drafting steps
+    assert (guard.shrinks == 0 and set(budgets) == {0, 4}) is flagged
+
+
 def test_a_losing_drafter_is_shrunk_then_paused_with_doubling_pauses():
     guard = SpeedGuard(PlainStepClock(), enabled=True)
     result = run(guard, 2000, draft_cost=0.4, accepted_of=lambda k: 0)  # every draft rejected
