@@ -116,8 +116,8 @@ class DraftProposal:
     probs: torch.Tensor | None = None
     source: str = ""  # the method that proposed it (a combination reports its winning member)
     withheld: str | None = None  # why it is empty when a drafter chose not to draft (stats' steps_without_draft)
-    # Making it first read the context the drafter had deferred (a draft model's catch-up, combination.py): a
-    # one-off for the request's later steps, which the speed guard leaves out of its windows.
+    # Making it first read a context the drafter had deferred or fallen behind on (a draft model's catch-up,
+    # combination.py): a one-off for the request's later steps, which the speed guard leaves out of its windows.
     caught_up: bool = False
 
     @classmethod

@@ -25,7 +25,7 @@ from specdecode.spec_types import DraftProposal, Sequence, TargetOutput, VerifyR
 if TYPE_CHECKING:
     import torch
 
-    from specdecode.drafters.step_choice import DraftingCost
+    from specdecode.drafters.step_choice import WarmMeasure
     from specdecode.models.loader import LoadedModel
 
 
@@ -56,7 +56,7 @@ class DrafterResources:
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)
     # Method -> its drafting costs as the Engine's warm-up measured them (engine/warm_up.py), for per-step choice
     # until requests time their own (step_choice.py). Measured on this machine, so Engine.forget_learned keeps them.
-    warm_costs: dict[str, DraftingCost] = field(default_factory=dict)
+    warm_measures: dict[str, WarmMeasure] = field(default_factory=dict)
 
     def path_for(self, method: str) -> str | None:
         """The folder method `method` reads its own weights from, or None."""

@@ -20,7 +20,7 @@ from specdecode.drafters.base import Drafter, DrafterCaps, DrafterResources
 from specdecode.drafters.capabilities import Batching, Composite, MemorySizing, ReadsVerifyRows
 from specdecode.drafters.draft_length import DraftLength
 from specdecode.drafters.registry import DRAFTERS, create_member, member_key, validate_method
-from specdecode.drafters.step_choice import DraftingCost, StepChooser, rate
+from specdecode.drafters.step_choice import StepChooser, WarmMeasure, rate
 from specdecode.models.decoder.moe import ExpertTally
 from specdecode.spec_types import ChoiceRecord, DraftProposal, Sequence, TargetOutput, VerifyResult
 
@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 
 
 DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start waits for their first turn
+# A member with more committed tokens than this to read before it can propose has fallen behind (the steps other
+# members or plain decoding ran while it was not chosen) and catches up as a deferred start does. Measured before
+# (#62: a fresh process per answer, coding): the draft model chosen after 232 tokens of suffix steps took 327 ms for
+# one drafted token, and timed as drafting that priced it out of the rest of the request. As load_budget.py's
+# CATCH_UP_TOKENS: above a probe's reading of what a run of plain steps committed.
+LAGGING_TOKENS = 32
 LENGTHS = "combination.lengths"  # seq.drafter_state: per-step choice's draft length per member
 PLAIN = "plain"  # the choice's name for a step it ran without drafts (seq.choices)
 
@@ -42,11 +48,11 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     clock = staticmethod(perf_counter)  # tests script it
 
     def __init__(self, members: list[Drafter], combine: str = "first", tally: ExpertTally | None = None,
-                 warm_costs: Mapping[str, DraftingCost] | None = None):
+                 warm_measures: Mapping[str, WarmMeasure] | None = None):
         """tally: the target's count of the experts its forwards read, where it has experts (verify_cost.py);
-        warm_costs: the members' costs as the Engine's warm-up measured them (DrafterResources.warm_costs)."""
+        warm_measures: the members' costs as the Engine's warm-up measured them (DrafterResources.warm_measures)."""
         self.members = members
-        self.chooser = StepChooser([m.name for m in members], tally, warm_costs) if combine == "best" else None
+        self.chooser = StepChooser([m.name for m in members], tally, warm_measures) if combine == "best" else None
         caps = [m.caps for m in members]
         self.caps = DrafterCaps(hidden_layers=tuple(sorted({i for c in caps for i in c.hidden_layers})),
                                 final_hidden=any(c.final_hidden for c in caps),
@@ -190,10 +196,17 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 candidates.append(candidate)
         return None, sorted(candidates, key=lambda c: -c.promise)
 
+    @staticmethod
+    def _catching_up(member: Drafter, seq: Sequence) -> bool:
+        """Whether `member` must first read a context it has not seen: its deferred start, or more than
+        LAGGING_TOKENS committed while it was not chosen."""
+        return (member.name in seq.drafter_state.get(DEFERRED, ())
+                or capabilities.pending_tokens(member, seq) > LAGGING_TOKENS)
+
     def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
-        """The part of a deferred member's first catch-up charged to a step drafting `budget` tokens: the
+        """The part of a member's catch-up (`_catching_up`) charged to a step drafting `budget` tokens: the
         catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it."""
-        if member.name not in seq.drafter_state.get(DEFERRED, ()):
+        if not self._catching_up(member, seq):
             return 0.0
         left = max(1, seq.sampling.max_tokens - seq.generated)
         share = min(1.0, (budget + 1) / left)
@@ -201,19 +214,19 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                                                   seq.target_prefill_seconds_per_token)
 
     def _timed_propose_many(self, member: Drafter, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
-        """member's proposals, timed into the chooser's estimates: a request where the member starts late (its
-        first catch-up, timed apart) alone, the others in one propose_many."""
+        """member's proposals, timed into the chooser's estimates: a request where the member catches up (its
+        deferred start, or a context it fell behind on: `_catching_up`, timed apart as a start) alone, the others
+        in one propose_many."""
         proposals: list[DraftProposal | None] = [None] * len(seqs)
         going = []
         for i, seq in enumerate(seqs):
-            deferred = seq.drafter_state.get(DEFERRED, set())
-            if member.name not in deferred:
+            if not self._catching_up(member, seq):
                 going.append(i)
                 continue
             context = capabilities.pending_tokens(member, seq)
             began = self.clock()
             proposals[i] = replace(member.propose(seq, budgets[i]), caught_up=True)
-            deferred.remove(member.name)
+            seq.drafter_state.get(DEFERRED, set()).discard(member.name)
             self.chooser.record_start(member.name, self.clock() - began, context, proposals[i].size)
         if going:
             began = self.clock()
@@ -307,4 +320,4 @@ def build_drafter(spec: SpecConfig, resources: DrafterResources, members: dict[t
     # every step): each drafted row can add experts for the verify forward to read, so a draft must promise more
     # than a plain step before it is made (verify_cost.py). The speed guard judges windows of steps already run:
     # where a draft costs as much as a MoE's (an MTP layer is a whole sparse layer and the head) that comes late.
-    return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally, resources.warm_costs)
+    return CombinationDrafter(chosen, spec.combine if len(chosen) > 1 else "best", tally, resources.warm_measures)

@@ -20,13 +20,20 @@ measured, in a request or by the warm-up (below), it is priced at the target's o
 (Sequence.target_prefill_seconds_per_token), as the batched load budget prices it: a bound, where pricing it at
 nothing let a fresh process's first request start the draft model on a long prompt for a few steps of a short
 answer (#62: a fresh process per answer, extraction). The step that catches up is flagged (DraftProposal.caught_up)
-so that the speed guard, which judges windows of steps, does not take that one-off for drafting that loses.
+so that the speed guard, which judges windows of steps, does not take that one-off for drafting that loses. A
+started member that fell behind (more than combination.LAGGING_TOKENS committed while other members or plain steps
+ran) catches up the same way, priced and timed as a start: timed as drafting, one such read of 232 tokens took
+327 ms for one drafted token and priced the draft model out of the rest of its request (#62: a fresh process per
+answer, coding).
 
 Until a member's costs are timed in a request, they are what this process's warm-up measured of it drafting alone
-(DraftingCost, engine/warm_up.py): a warm draft model's seconds per drafted token and per prompt token of its start.
+(WarmMeasure, engine/warm_up.py): a warm draft model's seconds per drafted token and per prompt token of its start.
 Before, an untimed member drafted for free ("try it once"), so a process's first request chose the draft model on
 promises it could not keep (#62: a fresh process per answer, 5 draft-model steps promised 70.7 tokens/s and gave
-25.1). Once requests time a cost, their estimate replaces the warm-up's for the Engine's life.
+25.1). Once requests time a cost, their estimate replaces the warm-up's for the Engine's life. The acceptance the
+warm-up measured is that member's prior in place of PRIOR_ACCEPTANCE: at 0.5 a draft model that is accepted 70-80%
+of the time on its target promised less than a plain step at its real cost, so a process's first request hardly
+tried it (#62: a fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
 prior alone can hide a good one behind a member that has learnt its worth.
@@ -49,7 +56,7 @@ from specdecode.drafters.verify_cost import VerifyCost
 if TYPE_CHECKING:
     from specdecode.models.decoder.moe import ExpertTally
 
-PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time
+PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time (or: WarmMeasure's)
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind that prior
 FORGET = 0.99  # each step every count decays: a member not chosen for long drifts back to the prior and is retried
 # A lookup whose first position has less evidence than this is tried whenever it proposes: its proposals cost
@@ -61,11 +68,13 @@ COST_SMOOTHING = 0.2  # weight of the newest timing in the running cost estimate
 
 
 @dataclass(frozen=True)
-class DraftingCost:
-    """A member's costs measured outside any request (engine/warm_up.py): per-step choice's estimates until timed."""
+class WarmMeasure:
+    """What the warm-up measured of a member drafting alone, outside any request (engine/warm_up.py): per-step
+    choice's costs until a request times them, and its prior acceptance."""
 
     seconds_per_token: float  # drafting time per drafted token
     seconds_per_start_token: float | None  # a start's time per prompt token (None: not measured)
+    acceptance: float | None = None  # P(an examined draft token accepted) (None: too few verdicts to say)
 
 
 @dataclass
@@ -73,23 +82,23 @@ class MemberEstimate:
     accepted: list[float] = field(default_factory=list)  # per position: decayed count of acceptances
     examined: list[float] = field(default_factory=list)  # per position: decayed count of verdicts
     seconds_per_token: float = 0.0  # drafting time per drafted token (0 until timed in a request)
-    seconds_per_start_token: float = 0.0  # a deferred start's catch-up time per context token (0 until timed)
+    seconds_per_start_token: float = 0.0  # a catch-up's time per context token read (0 until timed)
 
     def evidence(self) -> float:
         """Decayed count of verdicts on the first draft position."""
         return self.examined[0] if self.examined else 0.0
 
-    def acceptance(self, position: int) -> float:
-        """P(draft at `position` accepted | every earlier one was)."""
+    def acceptance(self, position: int, prior: float = PRIOR_ACCEPTANCE) -> float:
+        """P(draft at `position` accepted | every earlier one was), its verdicts weighed with `prior`."""
         hits = self.accepted[position] if position < len(self.accepted) else 0.0
         seen = self.examined[position] if position < len(self.examined) else 0.0
-        return (hits + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (seen + PRIOR_WEIGHT)
+        return (hits + prior * PRIOR_WEIGHT) / (seen + PRIOR_WEIGHT)
 
-    def expected_accepted(self, depth: int) -> float:
+    def expected_accepted(self, depth: int, prior: float = PRIOR_ACCEPTANCE) -> float:
         """Expected accepted tokens of a `depth`-deep draft: sum over positions of P(all up to it accepted)."""
         total, survive = 0.0, 1.0
         for position in range(depth):
-            survive *= self.acceptance(position)
+            survive *= self.acceptance(position, prior)
             total += survive
         return total
 
@@ -107,16 +116,22 @@ class StepChooser:
     """The estimates behind the choice, for one combination of one Engine (shared by its requests)."""
 
     def __init__(self, members: list[str], tally: ExpertTally | None = None,
-                 warm_costs: Mapping[str, DraftingCost] | None = None) -> None:
-        """warm_costs: member name -> its costs as the warm-up measured them (read when needed, so a chooser
+                 warm_measures: Mapping[str, WarmMeasure] | None = None) -> None:
+        """warm_measures: member name -> its costs as the warm-up measured them (read when needed, so a chooser
         built before the warm-up uses them too); a member with none drafts for free until timed: try it once."""
         self.members = {name: MemberEstimate() for name in members}
         self.verify = VerifyCost(tally)
-        self.warm_costs = {} if warm_costs is None else warm_costs
+        self.warm_measures = {} if warm_measures is None else warm_measures
 
     def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
         """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
-        return self.members[member].expected_accepted(depth) + 1, draft_seconds_left + self.verify.predict(nodes)
+        return (self.members[member].expected_accepted(depth, self.prior(member)) + 1,
+                draft_seconds_left + self.verify.predict(nodes))
+
+    def prior(self, member: str) -> float:
+        """The acceptance `member`'s estimates start from: what the warm-up measured of it, else PRIOR_ACCEPTANCE."""
+        warm = self.warm_measures.get(member)
+        return warm.acceptance if warm is not None and warm.acceptance is not None else PRIOR_ACCEPTANCE
 
     def promise(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> float:
         """Committed tokens per second a proposal `depth` deep with `nodes` nodes is expected to give."""
@@ -150,21 +165,22 @@ class StepChooser:
 
     def drafting_seconds(self, member: str, tokens: int) -> float:
         """Estimated seconds to draft `tokens` tokens: at the rate requests timed, else the warm-up's, else free."""
-        warm = self.warm_costs.get(member)
+        warm = self.warm_measures.get(member)
         return (self.members[member].seconds_per_token or (warm.seconds_per_token if warm else 0.0)) * tokens
 
     def start_seconds(self, member: str, context_tokens: int, unmeasured_per_token: float | None) -> float:
-        """Estimated seconds for a deferred member to read `context_tokens` before its first proposal: at the rate
+        """Estimated seconds for a member to catch up on `context_tokens` before its next proposal: at the rate
         requests timed, else the warm-up's, else at `unmeasured_per_token` (the target's prefill rate, a bound),
         else free."""
-        warm = self.warm_costs.get(member)
+        warm = self.warm_measures.get(member)
         per_token = (self.members[member].seconds_per_start_token or (warm and warm.seconds_per_start_token)
                      or unmeasured_per_token or 0.0)
         return per_token * context_tokens
 
     def record_start(self, member: str, seconds: float, context_tokens: int, tokens: int) -> None:
-        """A deferred member's first proposal of a request: `seconds` for reading `context_tokens` and drafting
-        `tokens`; the reading is what is left after the usual drafting time."""
+        """A member's proposal that first caught up (its deferred start, or a context it fell behind on): `seconds`
+        for reading `context_tokens` and drafting `tokens`; the reading is what is left after the usual drafting
+        time."""
         estimate = self.members[member]
         per_token = max(0.0, seconds - self.drafting_seconds(member, tokens)) / max(1, context_tokens)
         estimate.seconds_per_start_token = smoothed(estimate.seconds_per_start_token, per_token)

@@ -107,7 +107,7 @@ class Engine:
     def forget_learned(self) -> None:
         """Drop what requests taught this engine (timings, per-step choice, drafters' cross-request caches, the
         prefix cache), keeping the models, drafters' own weights, members that keep nothing across requests and
-        the costs the warm-up measured (resources.warm_costs): as it was after load, on a machine timed once."""
+        what the warm-up measured (resources.warm_measures): as it was after load, on a machine timed once."""
         self._drafters.clear()  # combinations and their per-step choice's estimates
         for key in [key for key, member in self._members.items() if capabilities.cache_bytes(member)]:
             del self._members[key]  # a suffix cache, a shared adjacency matrix: made again, empty

@@ -44,8 +44,9 @@ class SpeedGuard:
         self.paused_steps_left = 0
         self.next_pause = FIRST_PAUSE
         # The first drafting step after a start or a pause pays the drafter's catch-up. So does a step where a
-        # deferred member first drafts (`caught_up`): one draft model catch-up in a window of 8 steps paused `auto`
-        # for 80 of a 512-token answer's steps (#62: a fresh process per answer, coding).
+        # member of a combination reads a context it deferred or fell behind on (`caught_up`): one draft model
+        # catch-up in a window of 8 steps paused `auto` for 80 of a 512-token answer's steps (#62: a fresh process
+        # per answer, coding).
         self.warming = True
         self.window_seconds = 0.0
         self.window_tokens = 0
@@ -72,8 +73,8 @@ class SpeedGuard:
                 caught_up: bool = False) -> None:
         """After a step of `seconds` (drafting, verifying, committing), `drafting_seconds` of them spent asking
         for drafts, that committed `committed` tokens and verified `drafted` drafted nodes; `caught_up`: its
-        drafter first read the context it had deferred (DraftProposal.caught_up), a one-off left out like the
-        first drafting step after a start."""
+        drafter first read a context it had deferred or fallen behind on (DraftProposal.caught_up), a one-off left
+        out like the first drafting step after a start."""
         if drafted == 0:
             # The plain step is the forward alone: a drafter that ran and proposed nothing must not make plain
             # decoding look slower, or speculation that pays nothing would never measure below it.

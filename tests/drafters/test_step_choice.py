@@ -14,7 +14,7 @@ from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterCaps
 from specdecode.drafters.capabilities import Batching, DeferredStart
 from specdecode.drafters.combination import LENGTHS, CombinationDrafter
-from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, DraftingCost, MemberEstimate, VerifyCost
+from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost, WarmMeasure
 from specdecode.spec_types import DraftProposal, VerifyResult
 
 VERIFY_SECONDS = 1.0  # a scripted target forward, whatever the number of drafted nodes
@@ -97,11 +97,11 @@ def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: in
 
 
 def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float,
-               warm_costs: dict[str, DraftingCost] | None = None):
+               warm_measures: dict[str, WarmMeasure] | None = None):
     clock = FakeClock()
     lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
     model = Scripted("model", clock, model_cost, model_acceptance, samples=True)
-    chain = CombinationDrafter([lookup, model], combine, warm_costs=warm_costs)
+    chain = CombinationDrafter([lookup, model], combine, warm_measures=warm_measures)
     chain.clock = clock
     return chain, clock
 
@@ -227,17 +227,69 @@ def test_an_untimed_member_is_priced_by_what_the_warm_up_measured():
     """A fresh engine's first request: the model costs 0.3 s a drafted token (a 1 s verify), too dear to pay at
     its prior acceptance. Untimed, it drafted for free and was tried; priced by the warm-up's measure, it is not.
     A request's own timing then replaces the warm-up's (here the warm-up undersold it)."""
-    def run(warm_costs: dict[str, DraftingCost] | None):
+    def run(warm_measures: dict[str, WarmMeasure] | None):
         chain, clock = make_chain("best", lookup_acceptance=0.2, model_acceptance=0.6, model_cost=0.3,
-                                  warm_costs=warm_costs)
+                                  warm_measures=warm_measures)
         simulate(chain, clock, 20)
         return chain
 
     assert run(None).members[1].asked >= 1
-    assert run({"model": DraftingCost(0.3, None)}).members[1].asked == 0
-    undersold = run({"model": DraftingCost(0.001, None)})
+    assert run({"model": WarmMeasure(0.3, None)}).members[1].asked == 0
+    undersold = run({"model": WarmMeasure(0.001, None)})
     assert undersold.members[1].asked >= 1
     assert undersold.chooser.drafting_seconds("model", 1) == pytest.approx(0.3)
+
+
+def test_a_member_starts_from_the_acceptance_the_warm_up_measured():
+    """At the prior's 0.5 a model costing 0.3 s a drafted token (a 1 s verify) promises less than a plain step, so
+    a fresh engine never tries it, though it is accepted 90% of the time (#62: a fresh process per answer, coding:
+    3 draft-model steps in 242). Started from the warm-up's 0.9 it drafts, and pays."""
+    def run(acceptance: float | None):
+        chain, clock = make_chain("best", lookup_acceptance=0.05, model_acceptance=0.9, model_cost=0.3,
+                                  warm_measures={"model": WarmMeasure(0.3, None, acceptance)})
+        return simulate(chain, clock, 100)
+
+    pessimistic, measured = run(None), run(0.9)
+    assert pessimistic["wins"]["model"] == 0
+    assert measured["wins"]["model"] > 0.9 * 100 and measured["rate"] > 1.5 * pessimistic["rate"]
+
+
+class Lagging(Deferred):
+    """A Deferred member that, as a draft model does, first reads every token committed since it last proposed."""
+
+    def propose(self, seq, budget: int) -> DraftProposal:
+        if seq.drafter_state[self.name]:
+            self.clock.now += self.start_seconds_per_token * self.pending_tokens(seq)
+        return super().propose(seq, budget)
+
+
+class Phased(Scripted):
+    """A lookup that finds matches in runs of `run` steps, then none for as many (code, then prose)."""
+
+    run = 50
+
+    def propose(self, seq, budget: int) -> DraftProposal:
+        proposal = super().propose(seq, budget)
+        return proposal if (self.asked - 1) // self.run % 2 == 0 else DraftProposal.empty(self.name)
+
+
+def test_a_member_that_fell_behind_catches_up_as_a_start_and_keeps_its_drafting_cost():
+    """While the lookup's matches serve a run of steps, the model is not chosen and falls behind; where they stop,
+    its next proposal reads all they committed (about 200 tokens, 6 s here). Timed as drafting, that read priced
+    the model at 0.37 s a drafted token instead of 0.05, and plain steps won three quarters of the steps without
+    matches (#62: a fresh process per answer, coding: 327 ms for one drafted token after 232 tokens of suffix
+    steps). Timed as a catch-up, the model keeps its cost and drafts where the lookup has nothing, and the speed
+    guard is told of each catch-up."""
+    clock = FakeClock()
+    lookup = Phased("lookup", clock, 0.001, 0.9, samples=False)
+    model = Lagging("model", clock, 0.05, 0.6, samples=True, start_seconds_per_token=0.03)
+    chain = CombinationDrafter([lookup, model], "best")
+    chain.clock = clock
+    run = simulate(chain, clock, 400)
+    # Near its 0.05 s: a step right after its own also reads the few tokens that verify committed, at 0.03 s each.
+    assert chain.chooser.members["model"].seconds_per_token < 2 * 0.05
+    assert run["wins"]["model"] > 0.9 * 200  # the 200 steps without the lookup's matches
+    assert run["caught_up"] == 4  # its start and the 3 later runs without matches
 
 
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():

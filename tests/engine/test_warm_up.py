@@ -8,6 +8,7 @@ import pytest
 from specdecode import Engine, SamplingParams, SpecConfig
 from specdecode.drafters import registry
 from specdecode.drafters.registry import DRAFTERS
+from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE
 from specdecode.engine import engine as engine_module
 from specdecode.engine.warm_up import warm_up
 
@@ -78,19 +79,21 @@ def test_the_engine_forgets_what_the_warm_up_taught_it(noisy_pair):
 
 
 def test_the_warm_up_measures_what_a_sampling_member_costs_and_the_engine_keeps_it(noisy_pair):
-    """The draft model (it samples its drafts) gets a DraftingCost, the lookups none; the engine's per-step choice
-    prices the draft model by it before any request timed it (drafters/step_choice.py)."""
+    """The draft model (it samples its drafts) gets a WarmMeasure, the lookups none; the engine's per-step choice
+    prices the draft model by it before any request timed it, and starts from its acceptance (step_choice.py)."""
     target, draft = noisy_pair
     engine = Engine(target, draft, SPEC)
     engine.warm_up()
-    cost = engine.resources.warm_costs["draft"]
-    assert set(engine.resources.warm_costs) == {"draft"}
+    cost = engine.resources.warm_measures["draft"]
+    assert set(engine.resources.warm_measures) == {"draft"}
     assert cost.seconds_per_token > 0 and cost.seconds_per_start_token > 0
+    assert cost.acceptance is not None and 0 <= cost.acceptance <= 1  # 32 measured tokens: enough verdicts
     chooser = engine.drafter(SPEC).chooser
     assert chooser.members["draft"].seconds_per_token == 0  # no request timed it
     assert chooser.drafting_seconds("draft", 3) == pytest.approx(3 * cost.seconds_per_token)
+    assert chooser.prior("draft") == cost.acceptance and chooser.prior("suffix") == PRIOR_ACCEPTANCE
     engine.forget_learned()
-    assert engine.resources.warm_costs["draft"] is cost  # measured on this machine, not taught by a request
+    assert engine.resources.warm_measures["draft"] is cost  # measured on this machine, not taught by a request
 
 
 @pytest.mark.parametrize("method", ["none", "draft", "auto"])
