@@ -37,6 +37,9 @@ DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start 
 # one drafted token, and timed as drafting that priced it out of the rest of the request. As load_budget.py's
 # CATCH_UP_TOKENS: above a probe's reading of what a run of plain steps committed.
 LAGGING_TOKENS = 32
+# The fewest tokens a request is taken to have left, for pricing a catch-up (`_start_share`): as many as it has
+# generated, since an answer that has run long tends to run on, and at first this many.
+ANSWER_FLOOR = 32
 LENGTHS = "combination.lengths"  # seq.drafter_state: per-step choice's draft length per member
 PLAIN = "plain"  # the choice's name for a step it ran without drafts (seq.choices)
 
@@ -144,7 +147,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                     proposals[i] = DraftProposal.empty(self.members[-1].name)
                 elif ranking[0].promise < plain:
                     proposals[i] = DraftProposal.empty(self.members[-1].name, withheld="chooser_plain")
-                    promised[i] = (PLAIN, 1.0, self.chooser.verify.predict(0))
+                    promised[i] = (PLAIN, 1.0, self.chooser.verify_seconds(0))
                 else:
                     proposals[i] = ranking[0].proposal  # a lookup's proposal, made while ranking
                     promised[i] = (ranking[0].member.name, *ranking[0].expected)
@@ -205,10 +208,12 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
 
     def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a member's catch-up (`_catching_up`) charged to a step drafting `budget` tokens: the
-        catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it."""
+        catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it. Where an
+        answer ends is unknown: tokens left are taken as many as it has (at least ANSWER_FLOOR), within max_tokens.
+        Counted to max_tokens, a 40-token answer to a 441-token prompt started the draft model for 6 steps (#62)."""
         if not self._catching_up(member, seq):
             return 0.0
-        left = max(1, seq.sampling.max_tokens - seq.generated)
+        left = max(1, min(seq.sampling.max_tokens - seq.generated, max(seq.generated, ANSWER_FLOOR)))
         share = min(1.0, (budget + 1) / left)
         return share * self.chooser.start_seconds(member.name, capabilities.pending_tokens(member, seq),
                                                   seq.target_prefill_seconds_per_token)

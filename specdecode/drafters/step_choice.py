@@ -75,6 +75,7 @@ class WarmMeasure:
     seconds_per_token: float  # drafting time per drafted token
     seconds_per_start_token: float | None  # a start's time per prompt token (None: not measured)
     acceptance: float | None = None  # P(an examined draft token accepted) (None: too few verdicts to say)
+    verify_seconds: float | None = None  # the target's mean verify step behind its drafts (None: not measured)
 
 
 @dataclass
@@ -126,7 +127,15 @@ class StepChooser:
     def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
         """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
         return (self.members[member].expected_accepted(depth, self.prior(member)) + 1,
-                draft_seconds_left + self.verify.predict(nodes))
+                draft_seconds_left + self.verify_seconds(nodes))
+
+    def verify_seconds(self, nodes: int) -> float:
+        """A verify step's estimated seconds with `nodes` drafted nodes: the line requests timed, or before any
+        verify step was timed, the warm-up's mean step (0 with neither: a first step then promised infinitely
+        much, so a fresh process's first request started the draft model at its first step, whatever its prompt)."""
+        timed = self.verify.predict(nodes)
+        warm = [m.verify_seconds for m in self.warm_measures.values() if m.verify_seconds is not None]
+        return timed or (warm[0] if warm else 0.0)
 
     def prior(self, member: str) -> float:
         """The acceptance `member`'s estimates start from: what the warm-up measured of it, else PRIOR_ACCEPTANCE."""
@@ -160,7 +169,7 @@ class StepChooser:
 
     def plain_promise(self) -> float:
         """Committed tokens per second of a step without drafts (0 until a verify step was timed)."""
-        seconds = self.verify.predict(0)
+        seconds = self.verify_seconds(0)
         return 1.0 / seconds if seconds > 0 else 0.0
 
     def drafting_seconds(self, member: str, tokens: int) -> float:

@@ -72,7 +72,8 @@ def warm_measure(stats: GenerationStats) -> WarmMeasure | None:
     start = stats.drafter_prefill_seconds / stats.prompt_tokens if not stats.cached_prompt_tokens else None
     verdicts = stats.accepted_tokens + stats.rejections
     acceptance = stats.token_acceptance if verdicts >= MIN_VERDICTS else None
-    return WarmMeasure(stats.draft_seconds / stats.drafted_tokens, start, acceptance)
+    verify = stats.verify_seconds / stats.target_forwards if stats.target_forwards else None
+    return WarmMeasure(stats.draft_seconds / stats.drafted_tokens, start, acceptance, verify)
 
 
 def _alone(default: SpecConfig, method: str) -> SpecConfig:

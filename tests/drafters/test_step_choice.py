@@ -3,107 +3,17 @@ and the engine: greedy output unchanged with combine="best"."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 from conftest import FakeClock, started
+from scripted_choice import SPEC, VERIFY_SECONDS, Scripted, make_chain, simulate
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.drafters.base import Drafter, DrafterCaps
-from specdecode.drafters.capabilities import Batching, DeferredStart
-from specdecode.drafters.combination import LENGTHS, CombinationDrafter
-from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost, WarmMeasure
+from specdecode.drafters.capabilities import Batching
+from specdecode.drafters.combination import CombinationDrafter
+from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, VerifyCost
 from specdecode.spec_types import DraftProposal, VerifyResult
-
-VERIFY_SECONDS = 1.0  # a scripted target forward, whatever the number of drafted nodes
-SPEC = SimpleNamespace(num_draft_tokens=4, adaptive=False, guard=True)  # what a scripted request asks for
-
-
-class Scripted(Drafter):
-    """Proposes `budget` tokens at `seconds_per_token` each; each is accepted with probability `acceptance`."""
-
-    caps: ClassVar[DrafterCaps] = DrafterCaps()
-
-    def __init__(self, name: str, clock: FakeClock, seconds_per_token: float, acceptance: float, samples: bool):
-        self.name, self.clock, self.seconds_per_token, self.acceptance = name, clock, seconds_per_token, acceptance
-        self.caps = DrafterCaps(emits_probs=samples)
-        self.asked = 0
-
-    @classmethod
-    def create(cls, resources, options):
-        raise TypeError("built by hand in these tests")
-
-    def propose(self, seq, budget: int) -> DraftProposal:
-        self.asked += 1
-        self.clock.now += self.seconds_per_token * budget
-        return DraftProposal.chain([1] * budget, source=self.name)
-
-
-class Deferred(Scripted, DeferredStart):
-    """A Scripted member that can start late: its first proposal of a request first reads the whole context at
-    `start_seconds_per_token` per token (a draft model's prompt forward)."""
-
-    def __init__(self, *args, start_seconds_per_token: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.start_seconds_per_token = start_seconds_per_token
-        self.started = 0
-
-    def defer_start(self, seq) -> None:
-        seq.drafter_state[self.name] = 0  # context tokens read so far
-
-    def pending_tokens(self, seq) -> int:
-        return len(seq.tokens) - seq.drafter_state[self.name]
-
-    def propose(self, seq, budget: int) -> DraftProposal:
-        if seq.drafter_state[self.name] == 0:
-            self.started += 1
-            self.clock.now += self.start_seconds_per_token * len(seq.tokens)
-        seq.drafter_state[self.name] = len(seq.tokens)
-        return super().propose(seq, budget)
-
-
-def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: int = 4, seed: int = 0,
-             prompt_len: int = 100, spec: SimpleNamespace | None = None, prefill_per_token: float | None = None
-             ) -> dict:
-    """Script a request of `steps` steps through the chain (the target read its prompt at `prefill_per_token`
-    seconds a token, None: unknown); -> tokens per second, how often each member won (and "plain", steps the
-    chooser left without drafts), the empty proposals' reasons and how many proposals caught up."""
-    rng = random.Random(seed)
-    members = {m.name: m for m in chain.members}
-    seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * prompt_len,
-                          sampling=SimpleNamespace(max_tokens=4 * steps), generated=0,
-                          spec=spec or SimpleNamespace(num_draft_tokens=budget, adaptive=False, guard=True),
-                          target_prefill_seconds_per_token=prefill_per_token)
-    chain.start(seq, None)
-    began, committed, wins, withheld, caught_up = clock.now, 0, dict.fromkeys([*members, "plain"], 0), set(), 0
-    for _ in range(steps):
-        proposal = chain.propose(seq, budget)
-        clock.now += VERIFY_SECONDS
-        accepted = 0
-        while accepted < proposal.size and rng.random() < members[proposal.source].acceptance:
-            accepted += 1
-        chain.commit(seq, VerifyResult(list(range(accepted)), [1] * (accepted + 1), proposal.source), None)
-        committed += accepted + 1
-        seq.tokens += [1] * (accepted + 1)
-        seq.generated += accepted + 1
-        wins[proposal.source if proposal.size else "plain"] += 1
-        withheld.add(proposal.withheld)
-        caught_up += proposal.caught_up
-    return {"rate": committed / (clock.now - began), "wins": wins, "withheld": withheld, "choices": seq.choices,
-            "lengths": seq.drafter_state.get(LENGTHS),  # None under first-wins
-            "caught_up": caught_up}  # proposals flagged as a deferred member's catch-up (for the speed guard)
-
-
-def make_chain(combine: str, lookup_acceptance: float, model_acceptance: float, model_cost: float,
-               warm_measures: dict[str, WarmMeasure] | None = None):
-    clock = FakeClock()
-    lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
-    model = Scripted("model", clock, model_cost, model_acceptance, samples=True)
-    chain = CombinationDrafter([lookup, model], combine, warm_measures=warm_measures)
-    chain.clock = clock
-    return chain, clock
 
 
 def test_best_prefers_the_model_when_its_drafts_pay_more_than_the_lookups():
@@ -176,120 +86,6 @@ def test_no_drafts_when_no_member_promises_more_than_a_plain_step():
     run = simulate(chain, clock, 800)
     assert run["wins"]["plain"] > 0.8 * 800 and "chooser_plain" in run["withheld"]
     assert run["rate"] > 0.85 / VERIFY_SECONDS
-
-
-def deferred_chain(start_seconds_per_token: float, lookup_acceptance: float = 0.5):
-    clock = FakeClock()
-    lookup = Scripted("lookup", clock, 0.001, lookup_acceptance, samples=False)
-    model = Deferred("model", clock, 0.05, 0.9, samples=True, start_seconds_per_token=start_seconds_per_token)
-    chain = CombinationDrafter([lookup, model], "best")
-    chain.clock = clock
-    return chain, clock, model
-
-
-def test_a_member_that_can_start_late_starts_when_first_chosen_and_pays_once():
-    chain, clock, model = deferred_chain(start_seconds_per_token=0.001)
-    run = simulate(chain, clock, 300)
-    assert model.started == 1 and run["wins"]["model"] > 0.8 * 300 and run["caught_up"] == 1
-    assert chain.chooser.members["model"].seconds_per_start_token > 0
-
-
-def test_a_costly_start_is_weighed_against_the_tokens_left():
-    """Reading the context costs 20 plain steps: worth it for a long request, not for the last few tokens."""
-    chain, clock, model = deferred_chain(start_seconds_per_token=0.2)
-    simulate(chain, clock, 300, prompt_len=100)  # the first request measures the start's cost
-    assert model.started == 1
-    short = simulate(chain, clock, 2, prompt_len=100)  # 8 tokens at most: the lookups serve it alone
-    assert model.started == 1 and short["wins"]["model"] == 0
-    simulate(chain, clock, 300, prompt_len=100)
-    assert model.started == 2
-
-
-def test_an_unmeasured_start_is_priced_at_the_targets_prefill_rate():
-    """A fresh engine has timed no catch-up yet: on a long prompt and a short request it prices the first one at
-    what the target took to read a prompt token (a bound), so the lookups serve the request alone; with no such
-    rate known the start was free and the model started for a few steps (#62, a fresh process per answer)."""
-    def chain_and_model():
-        return deferred_chain(start_seconds_per_token=0.02, lookup_acceptance=0.05)
-
-    chain, clock, model = chain_and_model()
-    simulate(chain, clock, 4, prompt_len=2000, prefill_per_token=0.06)
-    assert model.started == 0
-    chain, clock, model = chain_and_model()
-    simulate(chain, clock, 4, prompt_len=2000)
-    assert model.started == 1
-    chain, clock, model = chain_and_model()
-    simulate(chain, clock, 300, prompt_len=2000, prefill_per_token=0.06)  # a long request: worth starting
-    assert model.started == 1
-
-
-def test_an_untimed_member_is_priced_by_what_the_warm_up_measured():
-    """A fresh engine's first request: the model costs 0.3 s a drafted token (a 1 s verify), too dear to pay at
-    its prior acceptance. Untimed, it drafted for free and was tried; priced by the warm-up's measure, it is not.
-    A request's own timing then replaces the warm-up's (here the warm-up undersold it)."""
-    def run(warm_measures: dict[str, WarmMeasure] | None):
-        chain, clock = make_chain("best", lookup_acceptance=0.2, model_acceptance=0.6, model_cost=0.3,
-                                  warm_measures=warm_measures)
-        simulate(chain, clock, 20)
-        return chain
-
-    assert run(None).members[1].asked >= 1
-    assert run({"model": WarmMeasure(0.3, None)}).members[1].asked == 0
-    undersold = run({"model": WarmMeasure(0.001, None)})
-    assert undersold.members[1].asked >= 1
-    assert undersold.chooser.drafting_seconds("model", 1) == pytest.approx(0.3)
-
-
-def test_a_member_starts_from_the_acceptance_the_warm_up_measured():
-    """At the prior's 0.5 a model costing 0.3 s a drafted token (a 1 s verify) promises less than a plain step, so
-    a fresh engine never tries it, though it is accepted 90% of the time (#62: a fresh process per answer, coding:
-    3 draft-model steps in 242). Started from the warm-up's 0.9 it drafts, and pays."""
-    def run(acceptance: float | None):
-        chain, clock = make_chain("best", lookup_acceptance=0.05, model_acceptance=0.9, model_cost=0.3,
-                                  warm_measures={"model": WarmMeasure(0.3, None, acceptance)})
-        return simulate(chain, clock, 100)
-
-    pessimistic, measured = run(None), run(0.9)
-    assert pessimistic["wins"]["model"] == 0
-    assert measured["wins"]["model"] > 0.9 * 100 and measured["rate"] > 1.5 * pessimistic["rate"]
-
-
-class Lagging(Deferred):
-    """A Deferred member that, as a draft model does, first reads every token committed since it last proposed."""
-
-    def propose(self, seq, budget: int) -> DraftProposal:
-        if seq.drafter_state[self.name]:
-            self.clock.now += self.start_seconds_per_token * self.pending_tokens(seq)
-        return super().propose(seq, budget)
-
-
-class Phased(Scripted):
-    """A lookup that finds matches in runs of `run` steps, then none for as many (code, then prose)."""
-
-    run = 50
-
-    def propose(self, seq, budget: int) -> DraftProposal:
-        proposal = super().propose(seq, budget)
-        return proposal if (self.asked - 1) // self.run % 2 == 0 else DraftProposal.empty(self.name)
-
-
-def test_a_member_that_fell_behind_catches_up_as_a_start_and_keeps_its_drafting_cost():
-    """While the lookup's matches serve a run of steps, the model is not chosen and falls behind; where they stop,
-    its next proposal reads all they committed (about 200 tokens, 6 s here). Timed as drafting, that read priced
-    the model at 0.37 s a drafted token instead of 0.05, and plain steps won three quarters of the steps without
-    matches (#62: a fresh process per answer, coding: 327 ms for one drafted token after 232 tokens of suffix
-    steps). Timed as a catch-up, the model keeps its cost and drafts where the lookup has nothing, and the speed
-    guard is told of each catch-up."""
-    clock = FakeClock()
-    lookup = Phased("lookup", clock, 0.001, 0.9, samples=False)
-    model = Lagging("model", clock, 0.05, 0.6, samples=True, start_seconds_per_token=0.03)
-    chain = CombinationDrafter([lookup, model], "best")
-    chain.clock = clock
-    run = simulate(chain, clock, 400)
-    # Near its 0.05 s: a step right after its own also reads the few tokens that verify committed, at 0.03 s each.
-    assert chain.chooser.members["model"].seconds_per_token < 2 * 0.05
-    assert run["wins"]["model"] > 0.9 * 200  # the 200 steps without the lookup's matches
-    assert run["caught_up"] == 4  # its start and the 3 later runs without matches
 
 
 def test_a_sampling_member_once_asked_is_used_even_if_a_lookup_looks_better_after():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import FakeClock
-from test_step_choice import Scripted
+from scripted_choice import Scripted
 
 from specdecode.drafters.combination import CombinationDrafter
 from specdecode.drafters.step_choice import StepChooser
