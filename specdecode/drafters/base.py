@@ -54,8 +54,9 @@ class DrafterResources:
     # Weights a drafter loaded itself (an EAGLE-3 head), by what it read: configurations of one drafter that
     # differ only in options share them, and the Engine counts them once.
     own_weights: dict[str, torch.nn.Module] = field(default_factory=dict)
-    # Method -> its drafting costs as the Engine's warm-up measured them (engine/warm_up.py), for per-step choice
-    # until requests time their own (step_choice.py). Measured on this machine, so Engine.forget_learned keeps them.
+    # Method -> what the Engine's warm-up measured of it drafting alone (engine/warm_up.py: costs, acceptance, the
+    # verify step), for per-step choice until requests time their own (step_choice.py). Measured on this machine
+    # outside any request, so Engine.forget_learned keeps them.
     warm_measures: dict[str, WarmMeasure] = field(default_factory=dict)
 
     def path_for(self, method: str) -> str | None:

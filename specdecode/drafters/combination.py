@@ -53,7 +53,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     def __init__(self, members: list[Drafter], combine: str = "first", tally: ExpertTally | None = None,
                  warm_measures: Mapping[str, WarmMeasure] | None = None):
         """tally: the target's count of the experts its forwards read, where it has experts (verify_cost.py);
-        warm_measures: the members' costs as the Engine's warm-up measured them (DrafterResources.warm_measures)."""
+        warm_measures: what the Engine's warm-up measured of the members (DrafterResources.warm_measures)."""
         self.members = members
         self.chooser = StepChooser([m.name for m in members], tally, warm_measures) if combine == "best" else None
         caps = [m.caps for m in members]

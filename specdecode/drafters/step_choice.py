@@ -118,8 +118,8 @@ class StepChooser:
 
     def __init__(self, members: list[str], tally: ExpertTally | None = None,
                  warm_measures: Mapping[str, WarmMeasure] | None = None) -> None:
-        """warm_measures: member name -> its costs as the warm-up measured them (read when needed, so a chooser
-        built before the warm-up uses them too); a member with none drafts for free until timed: try it once."""
+        """warm_measures: member name -> what the warm-up measured of it alone (read when needed, so a chooser
+        built before the warm-up uses them too); a member with none drafts for free until timed, from the prior."""
         self.members = {name: MemberEstimate() for name in members}
         self.verify = VerifyCost(tally)
         self.warm_measures = {} if warm_measures is None else warm_measures
@@ -168,7 +168,7 @@ class StepChooser:
         return best + 1 if unexplored and promise(best + 1) >= self.plain_promise() else best
 
     def plain_promise(self) -> float:
-        """Committed tokens per second of a step without drafts (0 until a verify step was timed)."""
+        """Committed tokens per second of a step without drafts (0 until a verify step was timed or warm-measured)."""
         seconds = self.verify_seconds(0)
         return 1.0 / seconds if seconds > 0 else 0.0
 
