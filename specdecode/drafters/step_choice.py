@@ -134,8 +134,9 @@ class StepChooser:
         verify step was timed, the warm-up's mean step (0 with neither: a first step then promised infinitely
         much, so a fresh process's first request started the draft model at its first step, whatever its prompt)."""
         timed = self.verify.predict(nodes)
-        warm = [m.verify_seconds for m in self.warm_measures.values() if m.verify_seconds is not None]
-        return timed or (warm[0] if warm else 0.0)
+        if timed:
+            return timed
+        return next((m.verify_seconds for m in self.warm_measures.values() if m.verify_seconds is not None), 0.0)
 
     def prior(self, member: str) -> float:
         """The acceptance `member`'s estimates start from: what the warm-up measured of it, else PRIOR_ACCEPTANCE."""
