@@ -37,7 +37,7 @@ DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start 
 # one drafted token, and timed as drafting that priced it out of the rest of the request. As load_budget.py's
 # CATCH_UP_TOKENS: above a probe's reading of what a run of plain steps committed.
 LAGGING_TOKENS = 32
-# The fewest tokens a request is taken to have left, for pricing a catch-up (`_start_share`): as many as it has
+# The fewest tokens a request is taken to have left, for pricing a catch-up (`_catch_up_share`): as many as it has
 # generated, since an answer that has run long tends to run on, and at first this many.
 ANSWER_FLOOR = 32
 LENGTHS = "combination.lengths"  # seq.drafter_state: per-step choice's draft length per member
@@ -184,7 +184,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
 
                 def seconds(depth: int, member: Drafter = member) -> float:
                     return (self.chooser.drafting_seconds(member.name, nodes(depth))
-                            + self._start_share(member, seq, depth))
+                            + self._catch_up_share(member, seq, depth))
 
                 depth = self.chooser.best_depth(member.name, budget_for, nodes, seconds)
                 candidates.append(Candidate(member, None, self.chooser.expected(member.name, depth, nodes(depth),
@@ -206,7 +206,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         return (member.name in seq.drafter_state.get(DEFERRED, ())
                 or capabilities.pending_tokens(member, seq) > LAGGING_TOKENS)
 
-    def _start_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
+    def _catch_up_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a member's catch-up (`_catching_up`) charged to a step drafting `budget` tokens: the
         catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it. Where an
         answer ends is unknown: tokens left are taken as many as it has (at least ANSWER_FLOOR), within max_tokens.

@@ -45,7 +45,7 @@ def test_an_unmeasured_start_is_priced_at_the_targets_prefill_rate():
     assert model.started == 1
     chain, clock, model = chain_and_model()
     # A long request on a shorter prompt: worth starting once the answer has run long (tokens left are taken as
-    # many as it has: combination._start_share).
+    # many as it has: combination._catch_up_share).
     simulate(chain, clock, 300, prompt_len=200, prefill_per_token=0.06)
     assert model.started == 1
 
