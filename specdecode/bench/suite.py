@@ -122,18 +122,23 @@ def runner_factories(engine: Engine, methods: list[MethodSpec], peers: list[str]
     (suffix's responses) then holds only that method's own earlier answers, not another method's answer to the
     question being measured, nor the warm-up's. The weights drafters load themselves (MTP layers, an EAGLE-3
     head, a reduced draft head) are read-only and shared by every runner's Engine: the warm-up loads them, so the
-    first measured question does not pay their load (about 11 s for a trained MTP companion file)."""
-    def fresh(reference: Engine) -> Engine:
+    first measured question does not pay their load (about 11 s for a trained MTP companion file).
+
+    Each runner's Engine warms up for its method as `serve` and `generate` do for their default (engine/warm_up.py),
+    so per-step choice starts from the warm measures a user's process has: with a default of plain decoding, `auto`
+    here priced its draft model by its first timing alone (#62)."""
+    def fresh(reference: Engine, spec: SpecConfig) -> Engine:
         engine = Engine(reference.target, reference.draft, SpecConfig("none"), context_limit=reference.context_limit,
                         draft_path=reference.resources.draft_path, draft_quant=reference.resources.draft_quant)
         engine.resources.own_weights = reference.resources.own_weights
+        engine.warm_up(spec)
         return engine
 
     if fresh_process is not None:
         factories: dict[str, RunnerFactory] = {
             m.name: (lambda s, spec=m.spec: fresh_turn_runner(fresh_process, spec, s)) for m in methods}
     else:
-        factories = {m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine), spec, s)) for m in methods}
+        factories = {m.name: (lambda s, spec=m.spec: engine_turn_runner(fresh(engine, spec), spec, s)) for m in methods}
     if "hf" in peers:
         from specdecode.bench.hf_peer import HFPeer
 

@@ -30,10 +30,10 @@ Until a member's costs are timed in a request, they are what this process's warm
 (WarmMeasure, engine/warm_up.py): a warm draft model's seconds per drafted token and per prompt token of its start.
 Before, an untimed member drafted for free ("try it once"), so a process's first request chose the draft model on
 promises it could not keep (#62: a fresh process per answer, 5 draft-model steps promised 70.7 tokens/s and gave
-25.1). Once requests time a cost, their estimate replaces the warm-up's for the Engine's life. The acceptance the
-warm-up measured is that member's prior in place of PRIOR_ACCEPTANCE: at 0.5 a draft model that is accepted 70-80%
-of the time on its target promised less than a plain step at its real cost, so a process's first request hardly
-tried it (#62: a fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
+25.1). Requests' timings then move the estimate away from the warm-up's a step at a time (COST_SMOOTHING), for the
+Engine's life, so that one slow timing cannot price a member out. The acceptance the warm-up measured is that
+member's prior in place of PRIOR_ACCEPTANCE: at 0.5 a draft model that is accepted 70-80% of the time on its
+target promised less than a plain step at its real cost, so a process's first request hardly tried it (#62: a fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
 prior alone can hide a good one behind a member that has learnt its worth.
@@ -191,14 +191,19 @@ class StepChooser:
         """A member's proposal that first caught up (its deferred start, or a context it fell behind on): `seconds`
         for reading `context_tokens` and drafting `tokens`; the reading is what is left after the usual drafting
         time."""
-        estimate = self.members[member]
+        estimate, warm = self.members[member], self.warm_measures.get(member)
         per_token = max(0.0, seconds - self.drafting_seconds(member, tokens)) / max(1, context_tokens)
-        estimate.seconds_per_start_token = smoothed(estimate.seconds_per_start_token, per_token)
+        estimate.seconds_per_start_token = smoothed(
+            estimate.seconds_per_start_token or (warm and warm.seconds_per_start_token) or 0.0, per_token)
 
     def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
+        """`tokens` drafted in `seconds`. The running estimate starts from the warm-up's measure where there is one:
+        taken as is, one slow first timing (90 ms for 4 tokens, twice the usual) priced the draft model below a
+        plain step for the rest of a long-lived process, since a member not chosen is never timed again (#62)."""
         if tokens:
-            estimate = self.members[member]
-            estimate.seconds_per_token = smoothed(estimate.seconds_per_token, seconds / tokens)
+            estimate, warm = self.members[member], self.warm_measures.get(member)
+            estimate.seconds_per_token = smoothed(estimate.seconds_per_token or (warm.seconds_per_token if warm else 0.0),
+                                                  seconds / tokens)
 
     def needs_evidence(self, member: str) -> bool:
         """Whether a lookup's estimates rest on too few verdicts to judge its proposal by (MIN_EVIDENCE)."""

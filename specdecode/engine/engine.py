@@ -99,10 +99,10 @@ class Engine:
         self._default_key = self._key(self.spec)
         self.drafter(self.spec)  # the default's weights load now: a bad folder fails before the first request
 
-    def warm_up(self) -> list[str]:
-        """A few short requests so that the first real one runs warm, then forget them (engine/warm_up.py) ->
-        the methods that ran."""
-        return warm_up(self)
+    def warm_up(self, spec: SpecConfig | None = None) -> list[str]:
+        """A few short requests with each method of `spec` (default: the engine's default), so that the first real
+        one runs warm, then forget them (engine/warm_up.py) -> the methods that ran."""
+        return warm_up(self, self.spec if spec is None else self.check_spec(spec))
 
     def forget_learned(self) -> None:
         """Drop what requests taught this engine (timings, per-step choice, drafters' cross-request caches, the

@@ -7,8 +7,8 @@ first request: the speed guard and per-step choice learnt from them that draftin
 cheaper members, so a fresh machine's README command printed 0.52x where warm reruns printed 1.14x (#62).
 
 So before the first request, `warm_up` runs a few short greedy requests: plain decoding and each member of the
-engine's default method alone (so every model forwards and every drafter drafts, with the guard off so that it
-cannot withhold a draft), on a text that repeats so that lookups propose too. Each member that samples its drafts
+engine's default method (or of the method a bench runner measures) alone (so every model forwards and every drafter
+drafts, with the guard off so that it cannot withhold a draft), on a text that repeats so that lookups propose too. Each member that samples its drafts
 (a draft model) then runs alone once more, now warm, on a chat question, and what it cost and how often its drafts
 were accepted are kept as its WarmMeasure (DrafterResources.warm_measures): per-step choice prices it by that until
 requests time it, and starts its acceptance estimates from it (drafters/step_choice.py). Measured on the repeating
@@ -29,6 +29,7 @@ from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.step_choice import WarmMeasure
 
 if TYPE_CHECKING:
+    from specdecode.engine.checked_spec import CheckedSpec
     from specdecode.engine.engine import Engine
     from specdecode.engine.stats import GenerationStats
 
@@ -46,10 +47,9 @@ MEASURE_TOKENS = 32
 MIN_VERDICTS = 8  # examined drafts below which the warm-up's acceptance says too little to replace the prior
 
 
-def warm_up(engine: Engine) -> list[str]:
-    """Run the warm-up requests, measure the sampling members' costs, then make the engine forget the requests ->
-    the methods that ran, in order."""
-    default = engine.spec
+def warm_up(engine: Engine, default: CheckedSpec) -> list[str]:
+    """Run the warm-up requests for `default`'s methods (a spec the engine checked: `auto` expanded), measure the
+    sampling members' costs, then make the engine forget the requests -> the methods that ran, in order."""
     greedy = SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS, ignore_eos=True)
     methods = ["none", *(m for m in default.methods if m != "none")]
     for method in methods:

@@ -306,3 +306,25 @@ def test_auto_is_set_against_the_fastest_single_method_overall_and_per_category(
                                        "math": {"fastest": "suffix", "ratio": 1.0}}}
     summaries["auto"]["against_fastest_single"] = against
     assert "| auto | 0.950 (draft) | 0.900 (draft) | 1.000 (suffix) |" in against_fastest_lines(summaries)
+
+
+def test_each_runner_of_one_process_warms_up_for_its_method_as_a_users_process_does(tiny_pair, monkeypatch):
+    """A one-process runner's Engine warms up for its own method (engine/warm_up.py), so its per-step choice prices
+    the draft model by the warm measure a user's `serve` or `generate` has: warmed for plain decoding, it priced it
+    by its first timing alone (#62)."""
+    from specdecode.bench.suite import parse_methods, runner_factories
+    from specdecode.config import SamplingParams
+    from specdecode.engine.engine import Engine
+    from specdecode.models.loader import load_model
+
+    warmed = []
+    real = Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self, spec=None: warmed.append(self) or real(self, spec))
+    engine = Engine(load_model(tiny_pair[0], dtype="float32"), load_model(tiny_pair[1], dtype="float32"))
+    methods = parse_methods("suffix+draft:combine=best", SpecConfig("none"))
+    runner_factories(engine, methods, [])["suffix+draft:combine=best"](SamplingParams(max_tokens=8))
+    assert len(warmed) == 1
+    measure = warmed[0].resources.warm_measures["draft"]
+    chooser = warmed[0].drafter(methods[-1].spec).chooser
+    assert measure.seconds_per_token > 0
+    assert chooser.drafting_seconds("draft", 2) == pytest.approx(2 * measure.seconds_per_token)

@@ -10,7 +10,6 @@ from specdecode.drafters import registry
 from specdecode.drafters.registry import DRAFTERS
 from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE
 from specdecode.engine import engine as engine_module
-from specdecode.engine.warm_up import warm_up
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SPEC = SpecConfig("suffix,ngram,draft", num_draft_tokens=3, combine="best")
@@ -65,7 +64,7 @@ def test_the_engine_forgets_what_the_warm_up_taught_it(noisy_pair):
     target, draft = noisy_pair
     cold = Engine(target, draft, SPEC, prefix_cache_bytes=1 << 20)
     warmed = Engine(target, draft, SPEC, prefix_cache_bytes=1 << 20)
-    warm_up(warmed)
+    warmed.warm_up()
     assert warmed.plain_clock.seconds is None  # no timing learnt from the warm-up's cold steps
     combination = warmed.drafter(SPEC)
     assert all(estimate.examined == [] for estimate in combination.chooser.members.values())
