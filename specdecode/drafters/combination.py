@@ -38,7 +38,8 @@ DEFERRED = "combination.deferred"  # seq.drafter_state: the members whose start 
 # CATCH_UP_TOKENS: above a probe's reading of what a run of plain steps committed.
 LAGGING_TOKENS = 32
 # The fewest tokens a request is taken to have left, for pricing a catch-up (`_catch_up_share`): as many as it has
-# generated, since an answer that has run long tends to run on, and at first this many.
+# generated, since an answer that has run long tends to run on, and at first this many; or where the engine's
+# earlier answers ran longer, up to their typical length (StepChooser.answer_tokens).
 ANSWER_FLOOR = 32
 LENGTHS = "combination.lengths"  # seq.drafter_state: per-step choice's draft length per member
 PLAIN = "plain"  # the choice's name for a step it ran without drafts (seq.choices)
@@ -209,11 +210,16 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
     def _catch_up_share(self, member: Drafter, seq: Sequence, budget: int) -> float:
         """The part of a member's catch-up (`_catching_up`) charged to a step drafting `budget` tokens: the
         catch-up serves every later step of the request, so a step pays (budget + 1) / tokens left of it. Where an
-        answer ends is unknown: tokens left are taken as many as it has (at least ANSWER_FLOOR), within max_tokens.
-        Counted to max_tokens, a 40-token answer to a 441-token prompt started the draft model for 6 steps (#62)."""
+        answer ends is unknown: tokens left are taken as many as it has (at least ANSWER_FLOOR), or what the
+        engine's earlier answers had on average still to go, whichever is more, within max_tokens. Counted to
+        max_tokens, a 40-token answer to a 441-token prompt started the draft model for 6 steps (#62: a fresh
+        process per answer); counted from the answer alone, a second turn's 256-token answer (one long-lived
+        process, roleplay) ran 60 steps of losing lookups and plain steps before the draft model caught up on its
+        283-token context."""
         if not self._catching_up(member, seq):
             return 0.0
-        left = max(1, min(seq.sampling.max_tokens - seq.generated, max(seq.generated, ANSWER_FLOOR)))
+        usual = self.chooser.answer_tokens - seq.generated
+        left = max(1, min(seq.sampling.max_tokens - seq.generated, max(seq.generated, ANSWER_FLOOR, usual)))
         share = min(1.0, (budget + 1) / left)
         return share * self.chooser.start_seconds(member.name, capabilities.pending_tokens(member, seq),
                                                   seq.target_prefill_seconds_per_token)
@@ -263,6 +269,8 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
             member.commit(seq, result, target)
 
     def finish(self, seq: Sequence) -> None:
+        if self.chooser is not None:
+            self.chooser.record_answer(seq.generated)
         seq.drafter_state.pop(self.name, None)
         seq.drafter_state.pop(DEFERRED, None)
         seq.drafter_state.pop(LENGTHS, None)

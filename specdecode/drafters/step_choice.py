@@ -105,7 +105,7 @@ class MemberEstimate:
 
 
 def smoothed(estimate: float, newest: float) -> float:
-    """A running cost estimate after its newest timing (0 = none yet: the newest is taken as is)."""
+    """A running estimate after its newest value (0 = none yet: the newest is taken as is)."""
     return newest if estimate == 0.0 else estimate + COST_SMOOTHING * (newest - estimate)
 
 
@@ -123,6 +123,7 @@ class StepChooser:
         self.members = {name: MemberEstimate() for name in members}
         self.verify = VerifyCost(tally)
         self.warm_measures = {} if warm_measures is None else warm_measures
+        self.answer_tokens = 0.0  # running mean of the lengths of the answers that ended (0: none yet)
 
     def expected(self, member: str, depth: int, nodes: int, draft_seconds_left: float) -> tuple[float, float]:
         """(committed tokens, seconds) a proposal `depth` deep with `nodes` nodes is expected to give and cost."""
@@ -204,6 +205,10 @@ class StepChooser:
             estimate, warm = self.members[member], self.warm_measures.get(member)
             estimate.seconds_per_token = smoothed(estimate.seconds_per_token or (warm.seconds_per_token if warm else 0.0),
                                                   seconds / tokens)
+
+    def record_answer(self, tokens: int) -> None:
+        """A request ended after generating `tokens`: how long answers run here prices later catch-ups."""
+        self.answer_tokens = smoothed(self.answer_tokens, tokens)
 
     def needs_evidence(self, member: str) -> bool:
         """Whether a lookup's estimates rest on too few verdicts to judge its proposal by (MIN_EVIDENCE)."""

@@ -91,8 +91,10 @@ def simulate(chain: CombinationDrafter, clock: FakeClock, steps: int, budget: in
         wins[proposal.source if proposal.size else "plain"] += 1
         withheld.add(proposal.withheld)
         caught_up += proposal.caught_up
+    lengths = seq.drafter_state.get(LENGTHS)  # None under first-wins
+    chain.finish(seq)  # the request ends: its length counts towards the next one's (StepChooser.answer_tokens)
     return {"rate": committed / (clock.now - began), "wins": wins, "withheld": withheld, "choices": seq.choices,
-            "lengths": seq.drafter_state.get(LENGTHS),  # None under first-wins
+            "lengths": lengths,
             "caught_up": caught_up}  # proposals flagged as a deferred member's catch-up (for the speed guard)
 
 
