@@ -33,7 +33,8 @@ promises it could not keep (#62: a fresh process per answer, 5 draft-model steps
 25.1). Requests' timings then move the estimate away from the warm-up's a step at a time (COST_SMOOTHING), for the
 Engine's life, so that one slow timing cannot price a member out. The acceptance the warm-up measured is that
 member's prior in place of PRIOR_ACCEPTANCE: at 0.5 a draft model that is accepted 70-80% of the time on its
-target promised less than a plain step at its real cost, so a process's first request hardly tried it (#62: a fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
+target promised less than a plain step at its real cost, so a process's first request hardly tried it (#62: a
+fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
 prior alone can hide a good one behind a member that has learnt its worth.
@@ -199,12 +200,12 @@ class StepChooser:
 
     def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
         """`tokens` drafted in `seconds`. The running estimate starts from the warm-up's measure where there is one:
-        taken as is, one slow first timing (90 ms for 4 tokens, twice the usual) priced the draft model below a
+        taken as is, one slow first timing (90 ms for 4 tokens, about twice the usual) priced the draft model below a
         plain step for the rest of a long-lived process, since a member not chosen is never timed again (#62)."""
         if tokens:
             estimate, warm = self.members[member], self.warm_measures.get(member)
-            estimate.seconds_per_token = smoothed(estimate.seconds_per_token or (warm.seconds_per_token if warm else 0.0),
-                                                  seconds / tokens)
+            start = estimate.seconds_per_token or (warm.seconds_per_token if warm else 0.0)
+            estimate.seconds_per_token = smoothed(start, seconds / tokens)
 
     def record_answer(self, tokens: int) -> None:
         """A request ended after generating `tokens`: how long answers run here prices later catch-ups."""

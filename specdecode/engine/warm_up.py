@@ -8,12 +8,12 @@ cheaper members, so a fresh machine's README command printed 0.52x where warm re
 
 So before the first request, `warm_up` runs a few short greedy requests: plain decoding and each member of the
 engine's default method (or of the method a bench runner measures) alone (so every model forwards and every drafter
-drafts, with the guard off so that it cannot withhold a draft), on a text that repeats so that lookups propose too. Each member that samples its drafts
-(a draft model) then runs alone once more, now warm, on a chat question, and what it cost and how often its drafts
-were accepted are kept as its WarmMeasure (DrafterResources.warm_measures): per-step choice prices it by that until
-requests time it, and starts its acceptance estimates from it (drafters/step_choice.py). Measured on the repeating
-text, the draft model's own lookup guesses (draft_lookup) drafted several tokens a forward: 5.4 ms a drafted token,
-where requests' answers took 8-12 ms (#62).
+drafts, with the guard off so that it cannot withhold a draft), on a text that repeats so that lookups propose too.
+Each member that samples its drafts (a draft model) then runs alone once more, now warm, on a chat question, and
+what it cost and how often its drafts were accepted are kept as its WarmMeasure (DrafterResources.warm_measures):
+per-step choice prices it by that until requests time it, and starts its acceptance estimates from it
+(drafters/step_choice.py). Measured on the repeating text, the draft model's own lookup guesses (draft_lookup)
+drafted several tokens a forward: 5.4 ms a drafted token, where requests' answers took 8-12 ms (#62).
 
 Then the engine forgets what the requests taught (Engine.forget_learned): timings, per-step choice's estimates,
 cross-request drafter caches, the prefix cache. The weights, built drafters' own weights and the warm measures
