@@ -66,15 +66,15 @@ def test_after_long_answers_a_start_is_weighed_against_their_usual_length():
     engine's earlier answers ran long, that wait only costs (#62: one long-lived process, roleplay's second turn:
     60 steps of losing lookups and plain steps before the draft model caught up on its 283-token context, in an
     answer of 256). Weighed against the tokens earlier answers had left, the model starts at once."""
-    def second_turn(chain, clock, model) -> dict:
+    def second_turn(chain: CombinationDrafter, clock: FakeClock) -> dict:
         return simulate(chain, clock, 8, prompt_len=2000, prefill_per_token=0.02, max_tokens=1024)
 
     chain, clock, model = deferred_chain(start_seconds_per_token=0.02, lookup_acceptance=0.05)
-    assert second_turn(chain, clock, model)["wins"]["model"] == 0 and model.started == 0  # nothing to go by
+    assert second_turn(chain, clock)["wins"]["model"] == 0 and model.started == 0  # nothing to go by
     chain, clock, model = deferred_chain(start_seconds_per_token=0.02, lookup_acceptance=0.05)
     simulate(chain, clock, 250, prompt_len=100, prefill_per_token=0.02, max_tokens=1024)  # a first, long answer
     assert chain.chooser.answer_tokens > 500 and model.started == 1
-    assert second_turn(chain, clock, model)["wins"]["model"] >= 7 and model.started == 2
+    assert second_turn(chain, clock)["wins"]["model"] >= 7 and model.started == 2
 
 
 def test_a_first_step_is_priced_by_the_warm_ups_verify_step():
