@@ -193,19 +193,15 @@ class StepChooser:
         """A member's proposal that first caught up (its deferred start, or a context it fell behind on): `seconds`
         for reading `context_tokens` and drafting `tokens`; the reading is what is left after the usual drafting
         time."""
-        estimate, warm = self.members[member], self.warm_measures.get(member)
         per_token = max(0.0, seconds - self.drafting_seconds(member, tokens)) / max(1, context_tokens)
-        estimate.seconds_per_start_token = smoothed(
-            estimate.seconds_per_start_token or (warm and warm.seconds_per_start_token) or 0.0, per_token)
+        self.members[member].seconds_per_start_token = smoothed(self.start_seconds(member, 1, None), per_token)
 
     def record_drafting(self, member: str, seconds: float, tokens: int) -> None:
         """`tokens` drafted in `seconds`. The running estimate starts from the warm-up's measure where there is one:
         taken as is, one slow first timing (90 ms for 4 tokens, about twice the usual) priced the draft model below a
         plain step for the rest of a long-lived process, since a member not chosen is never timed again (#62)."""
         if tokens:
-            estimate, warm = self.members[member], self.warm_measures.get(member)
-            start = estimate.seconds_per_token or (warm.seconds_per_token if warm else 0.0)
-            estimate.seconds_per_token = smoothed(start, seconds / tokens)
+            self.members[member].seconds_per_token = smoothed(self.drafting_seconds(member, 1), seconds / tokens)
 
     def record_answer(self, tokens: int) -> None:
         """A request ended after generating `tokens`: how long answers run here prices later catch-ups."""
