@@ -50,6 +50,9 @@ from specdecode.models.kernels.quantized_linear import rows_in_multiples, search
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
 TILE_ROWS = 16  # output rows per tile: one 512-bit register of int32 sums, or two 256-bit ones
 _BLOCK_GROUPS = 8  # groups per bfloat16 multiplier of the 8-bit scale and offset codes (256 inputs, as Q4_K)
+# The extension's translation units: the torch-free core, and extension.cpp, which includes the rest (torch's
+# headers parsed once, not once a file).
+EXTENSION_SOURCES = ("w4a8_core.cpp", "extension.cpp")
 STALE_LOCK_SECONDS = 600  # a build lock older than this was left by an interrupted compile (one takes ~35 s)
 ISA_SETTING = "SPECDECODE_W4A8_ISA"  # environment variable forcing a variant, e.g. to test AVX2 on AVX-512
 # The kernel's variants, best first: name -> (the CPU flags it needs, in Linux's /proc/cpuinfo names, and the
@@ -146,9 +149,7 @@ def load_variant(isa: str, quiet: bool = True):
             print(f"loading the w4a8 kernel for {isa} (compiled once per machine, about 35 s)", file=sys.stderr,
                   flush=True)
         clear_stale_build_lock(f"specdecode_w4a8_{isa}")
-        files = ("w4a8_core.cpp", "w4a8_kernel.cpp", "attention.cpp", "delta_rule.cpp", "head_products.cpp",
-                 "w4a8_moe.cpp", "w4a8_latent.cpp", "w4a8_layer.cpp")
-        sources = [str(Path(__file__).with_name(name)) for name in files]
+        sources = [str(Path(__file__).with_name(name)) for name in EXTENSION_SOURCES]
         # Hidden symbols: two variants loaded in one process must not call into each other's functions.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *VARIANTS[isa][1]]
         _variants[isa] = load(name=f"specdecode_w4a8_{isa}", sources=sources, extra_cflags=cflags,
