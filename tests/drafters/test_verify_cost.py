@@ -44,6 +44,20 @@ def test_a_line_fits_exactly_on_points_of_a_line():
     assert line.predict(30) == pytest.approx(0.1 + 0.05 * 30, rel=1e-6)
 
 
+def test_a_dense_line_is_not_extrapolated_below_the_fewest_nodes_timed():
+    line, proportional = LineFit(), LineFit(proportional=True)
+    for x, seconds in ((3, 0.15), (6, 0.25), (3, 0.16), (6, 0.24)):  # noisy timings: a steep slope
+        line.observe(x, seconds)
+        proportional.observe(x, seconds)
+    slope = (line.predict(6) - line.predict(3)) / 3
+    assert slope > 0.02  # about 30 ms a node where the weights took about 150 ms
+    assert line.predict(0) == pytest.approx(line.predict(3))  # a plain step: no cheaper than 3 nodes were
+    assert line.predict(4.5) == pytest.approx(line.predict(3) + 1.5 * slope)  # between: on the line
+    assert proportional.predict(0) < proportional.predict(3) - 0.05  # experts read: the line goes on down
+    line.observe(0, 0.2)  # a plain step timed: from then on the line runs down to it
+    assert line.predict(0) < line.predict(3)
+
+
 def test_experts_by_rows_start_from_uniform_routing_and_learn_the_model():
     assert uniform_touched(EXPERTS, PER_TOKEN, 1) == pytest.approx(PER_TOKEN)
     assert uniform_touched(EXPERTS, PER_TOKEN, 8) == pytest.approx(51.6, abs=0.1)  # of 64 routed slots
