@@ -6,10 +6,13 @@ and run in CI like every other test.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from specdecode import Engine, SamplingParams, SpecConfig
+from specdecode.models.batch_invariance import batch_invariant
 from specdecode.models.formats.default_models import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.models.loader import load_model
 
@@ -21,6 +24,8 @@ PROMPTS = [
 ]
 # Our fp32 forward vs transformers' on the same weights: both sum the same products in a different order.
 LOGITS_ATOL = 1e-3
+# A top-2 gap (nats) that bf16 sums in another order can close: the divergences measured here were 0-0.25 apart.
+NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +61,24 @@ def default_engine():
 
 
 def test_default_pair_speculation_is_bitwise_plain_decoding_in_bf16(default_engine):
+    """Bitwise where the loader made the target's bf16 layers batch-invariant (the load-time probe passed). Where
+    this CPU's bf16 matmul sums in an order that depends on the rows (the loader says so), a verify forward's
+    logits may differ from a one-row forward's in the last bits: then speculation may leave plain decoding only at
+    a near tie, for one of plain's two likeliest tokens."""
+    invariant = batch_invariant(default_engine.target.model)
     sampling = SamplingParams(max_tokens=48, ignore_eos=True)
     for prompt in PROMPTS:
         plain = default_engine.complete(prompt, sampling, SpecConfig("none"))
+        plain_top = default_engine.complete(prompt, replace(sampling, logprobs=2), SpecConfig("none")).logprobs
         for method in ("draft", "ngram", "ngram,draft"):
             result = default_engine.complete(prompt, sampling, SpecConfig(method))
-            assert result.token_ids == plain.token_ids, f"{method} diverged on {prompt!r}"
+            if invariant:
+                assert result.token_ids == plain.token_ids, f"{method} diverged on {prompt!r}"
+            else:
+                first = next((i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b), None)
+                if first is not None:
+                    (best, best_logprob), (second, second_logprob) = plain_top[first].top
+                    assert result.token_ids[first] in (best, second), f"{method} left plain's top 2 on {prompt!r}"
+                    assert best_logprob - second_logprob < NEAR_TIE, f"{method} diverged off a near tie on {prompt!r}"
             if method != "ngram":
                 assert result.stats.accepted_tokens > 0
