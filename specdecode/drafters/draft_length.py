@@ -50,3 +50,14 @@ def draft_length_for(drafter: Drafter, spec: SpecConfig) -> DraftLength:
     if capabilities.adapts_lengths(drafter):
         return DraftLength.offered(spec.num_draft_tokens, spec.adaptive)
     return DraftLength(spec.num_draft_tokens, spec.adaptive)
+
+
+def proposed_nodes(drafter: Drafter, spec: SpecConfig) -> int:
+    """The most nodes one step's proposal can hold: cache room a request keeps until the rejected ones are dropped."""
+    return capabilities.max_nodes(drafter, draft_length_for(drafter, spec).maximum)
+
+
+def rollback_rows(drafter: Drafter, spec: SpecConfig) -> int:
+    """The rows a verify forward may roll back over (root and proposed nodes): a hybrid trunk keeps each one's
+    recurrent states until the step commits."""
+    return proposed_nodes(drafter, spec) + 1

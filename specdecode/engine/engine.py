@@ -19,13 +19,13 @@ from time import perf_counter
 
 import torch
 
-from specdecode.acceptance.logprobs import TokenLogprob, token_logprobs
+from specdecode.acceptance.logprobs import TokenLogprob
 from specdecode.acceptance.noise import PositionNoise
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.tree import proposal_depth
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters import Drafter, DrafterResources, build_drafter, capabilities
-from specdecode.drafters.draft_length import draft_length_for
+from specdecode.drafters.draft_length import draft_length_for, proposed_nodes, rollback_rows
 from specdecode.engine.checked_spec import CheckedSpec, check
 from specdecode.engine.forward import states_read, verify_forwards, verify_inputs
 from specdecode.engine.load_budget import BatchDraftBudget
@@ -213,7 +213,7 @@ class Engine:
         the spec's drafter if none is built yet: call it where the models are owned (the server's worker)."""
         drafter = self.drafter(spec)
         return self._cache_bytes(self._cache_slots(prompt_len, sampling, drafter, spec),
-                                 self._rollback_rows(drafter, spec))
+                                 rollback_rows(drafter, spec))
 
     def least_cache_bytes(self, prompt_len: int, sampling: SamplingParams) -> int:
         """A lower bound of request_cache_bytes that builds nothing (safe from any thread): the request's tokens
@@ -223,15 +223,9 @@ class Engine:
     def _cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
         return self.target.model.cache_bytes(slots, rollback_rows)
 
-    def _rollback_rows(self, drafter: Drafter, spec: SpecConfig) -> int:
-        """The rows a verify forward may roll back over (root and proposed nodes): a hybrid trunk keeps each one's
-        recurrent states until the step commits."""
-        return capabilities.max_nodes(drafter, draft_length_for(drafter, spec).maximum) + 1
-
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
-        capacity = min(self.context_limit, prompt_len + sampling.max_tokens)
-        return capacity + capabilities.max_nodes(drafter, draft_length_for(drafter, spec).maximum)
+        return min(self.context_limit, prompt_len + sampling.max_tokens) + proposed_nodes(drafter, spec)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
               chunk: int | None = None, reuse_prefix: bool = True, provenance: bool = False) -> Request:
@@ -253,7 +247,7 @@ class Engine:
             seed, self.target.config.vocab_size, self.target.model.device)
         # A hybrid trunk's recurrent states roll back over one verify forward's rows (root and proposed nodes).
         cache = self.target.model.new_cache(self._cache_slots(len(prompt_ids), sampling, drafter, spec),
-                                            rollback_rows=self._rollback_rows(drafter, spec))
+                                            rollback_rows=rollback_rows(drafter, spec))
         stats = GenerationStats(method=spec.method, prompt_tokens=len(prompt_ids), relaxed=spec.relaxed,
                                 verification=rule, seed=seed)
         request = Request(
@@ -289,7 +283,7 @@ class Engine:
         request.tokens.append(first)
         if request.provenance:
             request.pending_origins = [TokenOrigin("target")]
-        self._record_logprobs(request, prompt.logits, [first])
+        request.record_logprobs(prompt.logits, [first])
         drafter_began = perf_counter()
         request.drafter.start(request, prompt)
         request.stats.drafter_prefill_seconds = perf_counter() - drafter_began
@@ -386,7 +380,7 @@ class Engine:
         request.drafter.commit(request, result, accepted_path)
         if request.read_states:
             request.read_states.append(states_read(accepted_path, request.drafter))
-        self._record_logprobs(request, accepted_path.logits, result.tokens)
+        request.record_logprobs(accepted_path.logits, result.tokens)
         if request.provenance:
             request.pending_origins = origins(proposal, result, request.stats.target_forwards + 1)
         depth = proposal_depth(proposal)
@@ -411,9 +405,3 @@ class Engine:
     def drafter_cache_bytes(self) -> int:
         """Memory of every drafter's cross-request caches (each drafter once, whatever combinations use it)."""
         return sum(capabilities.cache_bytes(member) for member in self._members.values())
-
-    @staticmethod
-    def _record_logprobs(request: Request, logits: torch.Tensor, tokens: list[int]) -> None:
-        """Only when the request asks: row i of logits [len(tokens), V] is the distribution tokens[i] came from."""
-        if request.sampling.logprobs is not None:
-            request.logprobs.extend(token_logprobs(logits, tokens, request.sampling.logprobs))

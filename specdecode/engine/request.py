@@ -15,7 +15,7 @@ from time import perf_counter
 
 import torch
 
-from specdecode.acceptance.logprobs import TokenLogprob
+from specdecode.acceptance.logprobs import TokenLogprob, token_logprobs
 from specdecode.acceptance.relaxed import Relaxed
 from specdecode.acceptance.verify import verify
 from specdecode.drafters import capabilities
@@ -110,6 +110,11 @@ class Request(Sequence):
         if self.generated >= self.sampling.max_tokens or len(self.tokens) >= self.capacity:
             return new_ids, "length"
         return new_ids, None
+
+    def record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Only when the request asks: row i of logits [len(tokens), V] is the distribution tokens[i] came from."""
+        if self.sampling.logprobs is not None:
+            self.logprobs.extend(token_logprobs(logits, tokens, self.sampling.logprobs))
 
     def close_stats(self) -> None:
         """Stats known once the request stops stepping: its memory and what the speed guard did."""
