@@ -220,8 +220,8 @@ class Engine:
         without room for a step's proposal."""
         return self._cache_bytes(min(self.context_limit, prompt_len + sampling.max_tokens))
 
-    def _cache_bytes(self, slots: int, rollback_rows: int = 1) -> int:
-        return self.target.model.cache_bytes(slots, rollback_rows)
+    def _cache_bytes(self, slots: int, rollback: int = 1) -> int:
+        return self.target.model.cache_bytes(slots, rollback)
 
     def _cache_slots(self, prompt_len: int, sampling: SamplingParams, drafter: Drafter, spec: SpecConfig) -> int:
         """The request's most tokens, plus room for a step's proposed nodes until the rejected ones are dropped."""
