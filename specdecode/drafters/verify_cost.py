@@ -26,17 +26,21 @@ class LineFit:
     is no slope to fit: every x costs the mean seen (`proportional` False: rows are cheap next to the weights), or
     the mean in proportion to x (True: the experts are most of what a forward reads, and a draft priced as free
     would never try the shorter depths whose timings teach the slope).
-    A line that is not proportional is not extrapolated below the smallest x seen: there the weights are most of a
-    forward, and a slope fitted on the noise of drafts of 3-6 nodes put a plain step (0 nodes) at 14 ms against the
-    200 ms it took (bf16, #62), so per-step choice promised plain decoding 13 times its speed."""
+    A line that is not proportional never predicts less than the cheapest x costs on average: there the weights
+    are most of a forward, and a slope fitted on the noise of drafts of 1-6 nodes (a 6-node forward that took 250 ms
+    where the others took 120-160) put a plain step at 14-45 ms against the 120-200 ms it took (bf16, #62), so
+    per-step choice promised plain decoding several times its speed."""
 
     def __init__(self, proportional: bool = False) -> None:
         self.proportional = proportional
         self.weight = self.x = self.seconds = self.x_sq = self.x_seconds = 0.0
-        self.smallest_x = float("inf")
+        # Not proportional: x (drafted nodes, a few distinct counts) -> running mean of its seconds, the floor.
+        self.by_x: dict[float, float] = {}
 
     def observe(self, x: float, seconds: float) -> None:
-        self.smallest_x = min(self.smallest_x, x)
+        if not self.proportional:
+            known = self.by_x.get(x)
+            self.by_x[x] = seconds if known is None else known + SMOOTHING * (seconds - known)
         keep = 1 - SMOOTHING
         self.weight = keep * self.weight + 1
         self.x = keep * self.x + x
@@ -50,11 +54,11 @@ class LineFit:
         mean_x, mean_seconds = self.x / self.weight, self.seconds / self.weight
         variance = self.x_sq / self.weight - mean_x**2
         if variance <= 1e-6:
-            return mean_seconds * x / mean_x if self.proportional and mean_x > 0 else mean_seconds
-        covariance = self.x_seconds / self.weight - mean_x * mean_seconds
-        slope = max(0.0, covariance / variance)
-        x = x if self.proportional else max(x, self.smallest_x)
-        return max(0.0, mean_seconds + slope * (x - mean_x))
+            line = mean_seconds * x / mean_x if self.proportional and mean_x > 0 else mean_seconds
+        else:
+            slope = max(0.0, (self.x_seconds / self.weight - mean_x * mean_seconds) / variance)
+            line = mean_seconds + slope * (x - mean_x)
+        return max(line, 0.0) if self.proportional else max(line, min(self.by_x.values()))
 
 
 def uniform_touched(num_experts: int, per_token: int, rows: int) -> float:
