@@ -42,8 +42,10 @@ def kernel_at(commit: str, isa: str):
                               text=True).stdout
         (folder / name).write_text(text)
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", *w4a8_linear.VARIANTS[isa][1]]
+    # Since extension.cpp the torch-using files are included by it, not compiled on their own.
+    units = w4a8_linear.EXTENSION_SOURCES if "extension.cpp" in names else [n for n in names if n.endswith(".cpp")]
     return load(name=f"specdecode_w4a8_{isa}_{commit}", extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                sources=[str(folder / name) for name in names if name.endswith(".cpp")])
+                sources=[str(folder / name) for name in units])
 
 
 def main() -> None:
