@@ -128,7 +128,7 @@ def test_auto_draft_quant_is_w4a8_where_it_runs_else_int4(monkeypatch, capsys):
     assert draft_quant(flags(draft_quant="int8")) == "int8"
     assert draft_quant(flags(draft_quant="w3a8")) == "w3a8"  # asked for by name: as asked
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process on a CPU without AVX2
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: {"avx", "f16c"})
     assert draft_quant(flags(), quiet=False) == "int4"
     assert "draft in int4, not w4a8: it needs a CPU with" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ from layer_checks import assert_same_bits_alone_in_a_chain_in_a_tree_and_in_a_ba
 from torch import nn
 
 from specdecode.models.batch_invariance import batch_invariant
-from specdecode.models.decoder.packed_linear import PackedLinear, can_pack, rows_invariant
+from specdecode.models.decoder.packed_linear import FAST_BF16_ROWS, PackedLinear, can_pack, native_bf16, rows_invariant
 from specdecode.models.kernels.float_decoder import FloatDecoderLayer, fix_float_layers
 from specdecode.models.kernels.w4a8_linear import load_kernel
 from specdecode.models.loader import load_model
@@ -79,6 +79,25 @@ def test_a_single_row_is_computed_as_two_so_it_matches_any_number_of_rows(dtype)
     x = torch.randn(5, 256).to(dtype)  # [5, in]
     with torch.inference_mode():
         assert torch.equal(packed(x[None, None, 2]), packed(x)[None, None, 2])  # [1, 1, out] from [1, 1, in]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fewer_rows_than_the_fastest_count_are_padded_and_keep_their_bits(dtype):
+    """Padding 1-3 rows to FAST_BF16_ROWS (bf16 on a CPU with native bf16 dot products) gives each row the bits
+    of two rows (the unpadded product) and of any other count: the order of sums does not depend on the rows."""
+    linear = nn.Linear(256, 1024).to(dtype)
+    if not can_pack(linear):
+        pytest.skip("oneDNN has no bf16 kernel on this CPU (no AVX-512): bf16 weights stay unpacked here")
+    packed = PackedLinear(linear)
+    native = dtype == torch.bfloat16 and native_bf16()
+    assert packed.fewest_rows == (FAST_BF16_ROWS if native else 2)  # float32, or bf16 emulated: as before
+    x = torch.randn(9, 256).to(dtype)  # [9, in]
+    with torch.inference_mode():
+        all_rows = packed(x)  # [9, out]
+        for fewest in (2, FAST_BF16_ROWS):
+            packed.fewest_rows = fewest
+            for count in (1, 2, 3):
+                assert torch.equal(packed(x[None, :count]), all_rows[None, :count]), (fewest, count)  # [1, M, out]
 
 
 def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path, capsys):

@@ -75,7 +75,7 @@ def test_each_variant_equals_a_float64_reference_at_three_bits(isa):
 
 @pytest.mark.parametrize("first, second", [("avx512", "avx2"), ("avx512", "avx_vnni"), ("avx_vnni", "avx2")])
 def test_variants_give_the_same_bits_at_three_bits(first, second):
-    flags = w4a8_linear._cpu_flags()
+    flags = w4a8_linear.cpu_flags()
     for name in (first, second):
         missing = [flag for flag in w4a8_linear.VARIANTS[name][0] if flag not in flags]
         if missing:

@@ -12,7 +12,7 @@ from conftest import save_tiny_model
 from gguf_files import Q4_K, Q6_K, write_gguf
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
-from specdecode.models import quantized_model
+from specdecode.models import cpu_features, quantized_model
 from specdecode.models.kernels import w4a8_linear
 from specdecode.models.kernels.quantized_linear import Int4Linear, Int8Linear, minmax_groups
 from specdecode.models.kernels.w4a8_linear import ISA_SETTING, VARIANTS, W4A8Linear
@@ -21,7 +21,7 @@ from specdecode.models.loader import load_model
 
 def each_variant() -> list:
     """One pytest param per kernel variant, skipped (with the flags it lacks) where this CPU cannot run it."""
-    flags = w4a8_linear._cpu_flags()
+    flags = w4a8_linear.cpu_flags()
     params = []
     for name, (needed, _) in VARIANTS.items():
         missing = [flag for flag in needed if flag not in flags]
@@ -144,7 +144,7 @@ def test_integer_sums_at_their_largest_stay_exact(isa):
 
 @pytest.mark.parametrize("first, second", [("avx512", "avx2"), ("avx512", "avx_vnni"), ("avx_vnni", "avx2")])
 def test_variants_give_the_same_bits(first, second):
-    flags = w4a8_linear._cpu_flags()
+    flags = w4a8_linear.cpu_flags()
     missing = [flag for flag in dict.fromkeys(VARIANTS[first][0] + VARIANTS[second][0]) if flag not in flags]
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(missing)}, so it cannot run both {first} and {second}")
@@ -162,12 +162,12 @@ def test_the_variant_follows_the_cpu_flags_and_the_setting(monkeypatch):
     avx512 = zen3 | {"avx512f", "avx512bw", "avx512_vnni"}
     for flags, expected in ((avx512, "avx512"), (avx512 - {"avx512_vnni"}, "avx2"), (zen3 | {"avx_vnni"}, "avx_vnni"),
                             (zen3, "avx2"), (zen3 - {"fma"}, None), (set(), None)):
-        monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda flags=flags: flags)
         assert w4a8_linear.kernel_isa() == expected, flags
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: avx512)
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: avx512)
     monkeypatch.setenv(ISA_SETTING, "avx2")
     assert w4a8_linear.kernel_isa() == "avx2"
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: zen3)
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: zen3)
     monkeypatch.setenv(ISA_SETTING, "avx512")
     with pytest.raises(SpecDecodeError, match="SPECDECODE_W4A8_ISA=avx512: this CPU lacks avx512f, avx512bw, "
                                               "avx512_vnni; unset it"):
@@ -179,17 +179,17 @@ def test_the_variant_follows_the_cpu_flags_and_the_setting(monkeypatch):
 
 def test_cpu_features_are_read_on_linux_x86_linux_arm_and_macos(monkeypatch, tmp_path):
     monkeypatch.delenv(ISA_SETTING, raising=False)
-    monkeypatch.setattr(w4a8_linear.sys, "platform", "linux")
+    monkeypatch.setattr(cpu_features.sys, "platform", "linux")
     graviton = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes asimdrdm lrcpc dcpop asimddp\n"
     real_read_text = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: graviton if str(self) == "/proc/cpuinfo"
                         else real_read_text(self, *a, **k))
-    assert "asimddp" in w4a8_linear._cpu_flags() and w4a8_linear.kernel_isa() == "neon"
-    monkeypatch.setattr(w4a8_linear.sys, "platform", "darwin")
+    assert "asimddp" in w4a8_linear.cpu_flags() and w4a8_linear.kernel_isa() == "neon"
+    monkeypatch.setattr(cpu_features.sys, "platform", "darwin")
     apple_m1 = "hw.optional.floatingpoint: 1\nhw.optional.arm.FEAT_DotProd: 1\nhw.optional.arm.FEAT_I8MM: 0\n"
     intel_mac = "hw.optional.avx1_0: 1\nhw.optional.avx2_0: 1\nhw.optional.fma: 1\nhw.optional.avx512f: 0\n"
     for listing, expected in ((apple_m1, "neon"), (intel_mac, "avx2"), ("", None)):
-        monkeypatch.setattr(w4a8_linear, "_read_command", lambda command, listing=listing: listing)
+        monkeypatch.setattr(cpu_features, "_read_command", lambda command, listing=listing: listing)
         assert w4a8_linear.kernel_isa() == expected, listing
 
 
@@ -197,9 +197,9 @@ def test_an_arm_cpu_without_the_dot_product_and_a_missing_compiler_are_one_line_
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
     monkeypatch.delenv(ISA_SETTING, raising=False)
     monkeypatch.setattr(w4a8_linear.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"fp", "asimd"})  # a Raspberry Pi 4 (Cortex-A72)
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: {"fp", "asimd"})  # a Raspberry Pi 4 (Cortex-A72)
     assert w4a8_linear.w4a8_unavailable() == "it needs a CPU with asimddp; this one lacks asimddp"
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"fp", "asimd", "asimddp"})
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: {"fp", "asimd", "asimddp"})
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setattr(w4a8_linear.shutil, "which", lambda name: None if name == "no-such-compiler" else name)
     assert w4a8_linear.w4a8_unavailable() == (
@@ -210,7 +210,7 @@ def test_an_arm_cpu_without_the_dot_product_and_a_missing_compiler_are_one_line_
 def test_forcing_a_variant_this_cpu_cannot_run_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     folder = save_tiny_model(tmp_path / "t", "qwen2", scale=0.15)
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "avx2", "fma"})
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: {"avx", "avx2", "fma"})
     monkeypatch.setenv(ISA_SETTING, "avx512")
     with pytest.raises(SpecDecodeError, match="SPECDECODE_W4A8_ISA=avx512: this CPU lacks avx512f"):
         load_model(folder, dtype="float32", quant="w4a8")
@@ -298,7 +298,7 @@ def test_clear_errors_for_group_size_and_cpus_without_avx2(tmp_path, monkeypatch
         load_model(folder, dtype="float32", quant="w4a8", group_size=64)
     monkeypatch.setattr(w4a8_linear, "_kernel", None)  # as in a fresh process
     monkeypatch.delenv(ISA_SETTING, raising=False)
-    monkeypatch.setattr(w4a8_linear, "_cpu_flags", lambda: {"avx", "f16c"})
+    monkeypatch.setattr(w4a8_linear, "cpu_flags", lambda: {"avx", "f16c"})
     with pytest.raises(SpecDecodeError, match=r"needs a CPU with avx2, fma \(or avx512f, avx512bw, avx512_vnni\); "
                                               "this one lacks avx2, fma; use --quant int4"):
         load_model(folder, dtype="float32", quant="w4a8")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cpu_features import cpu_flags
 from specdecode.models.kernels.quantized_linear import rows_in_multiples, searched_groups
 
 W4A8_GROUP = 32  # inputs per group, for both the weights' scales and the activations' int8 scales
@@ -64,10 +64,7 @@ VARIANTS = {
     "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
     "neon": (("asimddp",), ("-march=armv8.2-a+dotprod",)),
 }
-# macOS names its CPU features in sysctl's hw.optional tree: those the variants need, by their Linux names.
-_DARWIN_FLAGS = {"hw.optional.avx2_0": "avx2", "hw.optional.fma": "fma", "hw.optional.avx512f": "avx512f",
-                 "hw.optional.avx512bw": "avx512bw", "hw.optional.avx512vnni": "avx512_vnni",
-                 "hw.optional.avxvnni": "avx_vnni", "hw.optional.arm.FEAT_DotProd": "asimddp"}
+
 
 
 def w4a8_fits(out_features: int, in_features: int) -> bool:
@@ -96,7 +93,7 @@ def w4a8_unavailable(quiet: bool = True) -> str | None:
     isa = kernel_isa()
     if isa is None:
         minimum = "neon" if platform.machine().lower() in ("aarch64", "arm64") else "avx2"
-        missing = [flag for flag in VARIANTS[minimum][0] if flag not in _cpu_flags()]
+        missing = [flag for flag in VARIANTS[minimum][0] if flag not in cpu_flags()]
         alternative = "" if minimum == "neon" else f" (or {', '.join(VARIANTS['avx512'][0])})"
         return (f"it needs a CPU with {', '.join(VARIANTS[minimum][0])}{alternative}; this one lacks "
                 f"{', '.join(missing)}")
@@ -126,7 +123,7 @@ def missing_build_tools() -> str:
 def kernel_isa() -> str | None:
     """The variant for this CPU: the one SPECDECODE_W4A8_ISA names (a SpecDecodeError if it is not a variant or
     this CPU lacks a flag it needs), else the first of VARIANTS whose flags this CPU has; None if none."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     forced = os.environ.get(ISA_SETTING, "")
     if not forced:
         return next((name for name, (needed, _) in VARIANTS.items() if set(needed) <= flags), None)
@@ -175,40 +172,6 @@ def clear_stale_build_lock(name: str) -> bool:
     print(f"removed {lock}, left {age / 60:.0f} minutes ago by an interrupted compile of the w4a8 kernel",
           file=sys.stderr)
     return True
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags in Linux's names: /proc/cpuinfo's "flags" (x86) or "Features" (ARM) line on Linux,
-    sysctl's hw.optional tree on macOS; empty where neither answers."""
-    if sys.platform == "darwin":
-        return _darwin_flags(_read_command(["sysctl", "hw.optional"]))
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
-def _darwin_flags(listing: str) -> set[str]:
-    """`sysctl hw.optional`'s lines ("hw.optional.avx2_0: 1") -> the flags set to 1, in Linux's names."""
-    flags = set()
-    for line in listing.splitlines():
-        name, _, value = line.partition(":")
-        if value.strip() == "1" and name.strip() in _DARWIN_FLAGS:
-            flags.add(_DARWIN_FLAGS[name.strip()])
-    return flags
-
-
-def _read_command(command: list[str]) -> str:
-    """What a command prints, or "" where it cannot run."""
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
