@@ -98,6 +98,7 @@ def test_fewer_rows_than_the_fastest_count_are_padded_and_keep_their_bits(dtype)
             packed.fewest_rows = fewest
             for count in (1, 2, 3):
                 assert torch.equal(packed(x[None, :count]), all_rows[None, :count]), (fewest, count)  # [1, M, out]
+            assert packed(x[None, :0]).shape == (1, 0, 1024)  # no rows (a drafter's empty batch): nothing padded
 
 
 def test_models_that_cannot_be_fixed_keep_their_layers_and_say_why(tmp_path, capsys):

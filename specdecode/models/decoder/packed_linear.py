@@ -54,7 +54,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)  # [M, in]
         count = rows.shape[0]
-        if count >= self.fewest_rows:
+        if count >= self.fewest_rows or count == 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         padded = torch.cat([rows, rows[:1].expand(self.fewest_rows - count, -1)])  # [fewest_rows, in]
         out = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")  # [F, out]
