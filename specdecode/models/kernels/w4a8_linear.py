@@ -66,7 +66,6 @@ VARIANTS = {
 }
 
 
-
 def w4a8_fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE_ROWS == 0 and in_features % W4A8_GROUP == 0
 
