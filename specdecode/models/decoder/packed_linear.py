@@ -28,6 +28,7 @@ from torch import nn
 
 from specdecode.models.cpu_features import cpu_flags
 
+INVARIANT_ROWS = 2  # fewer rows run with another order of sums: a single row is computed as two (docstring)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names
 FAST_BF16_ROWS = 4  # where a flag above is present: fewer bf16 rows are padded to this many
 
@@ -63,7 +64,7 @@ class PackedLinear(nn.Module):
 
 def fewest_rows(dtype: torch.dtype) -> int:
     """The fewest rows a packed product of `dtype` runs with (see the module's docstring)."""
-    return FAST_BF16_ROWS if dtype == torch.bfloat16 and native_bf16() else 2
+    return FAST_BF16_ROWS if dtype == torch.bfloat16 and native_bf16() else INVARIANT_ROWS
 
 
 @cache
