@@ -166,15 +166,25 @@ def run_all(questions: list[Question], methods: list[MethodSpec], factories: dic
     runners = {name: factory(sampling) for name, factory in factories.items()}
     raw: dict[str, list[list[QuestionResult]]] = {m.name: [] for m in methods}
     with tqdm(total=len(methods) * len(questions) * repeats, desc="bench", unit="run", file=sys.stderr) as bar:
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for runs in raw.values():
                 runs.append([])
-            # Question-major order: every method meets the machine in the same state for the same prompt.
-            for question in questions:
-                for method in methods:
+            for index, question in enumerate(questions):
+                for method in turn_order(methods, index + repeat):
                     raw[method.name][-1].append(run_question(question, runners[method.name]))
                     bar.update()
     return raw
+
+
+def turn_order(methods: list[MethodSpec], turn: int) -> list[MethodSpec]:
+    """The order the methods answer one question in, the `turn`-th question run: question-major, so that every
+    method meets the machine in nearly the same state for the same prompt, and rotated by one each question and
+    repeat, so that no method always runs first or last, or always right after the same one. A 2-core machine's
+    speed drifts by 10-20% over tens of seconds (#62: `auto`'s verify forwards ran 10-17% slower than `draft`'s on
+    some prompts and 10-15% faster on others, the same rows each); in a fixed order that drift would sit on one
+    method's slot."""
+    shift = turn % len(methods) if methods else 0
+    return methods[shift:] + methods[:shift]
 
 
 def explain_divergences(engine: Engine, questions: list[Question], methods: list[MethodSpec],

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
              "quant": target.quant, "draft_quant": draft.quant if draft else None,
              "questions": len(questions), "max_tokens": sampling.max_tokens,
              "temperature": sampling.temperature, "repeats": args.repeats, "datasets": ", ".join(args.dataset),
-             "process": "a fresh one per answer" if args.fresh_process else "one for every answer"}
+             "process": "a fresh one per answer" if args.fresh_process else "one for all answers"}
     run_bench(engine, questions, methods, sampling, args.peer, args.repeats, out, setup,
               FreshProcess(bench_answer.COMMAND, bench_answer.model_arguments(args)) if args.fresh_process else None)
     return 0

@@ -328,3 +328,37 @@ def test_each_runner_of_one_process_warms_up_for_its_method_as_a_users_process_d
     chooser = warmed[0].drafter(methods[-1].spec).chooser
     assert measure.seconds_per_token > 0
     assert chooser.drafting_seconds("draft", 2) == pytest.approx(2 * measure.seconds_per_token)
+
+
+def test_methods_take_turns_at_each_slot_across_questions_and_repeats():
+    """Question-major, rotated by one each question and repeat: each method runs first, second ... equally often
+    (a machine's drift does not sit on one method's slot), and each method's results stay in question order."""
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.runner import MethodSpec, TurnOutput
+    from specdecode.bench.suite import run_all
+    from specdecode.config import SamplingParams
+
+    names = ["none", "draft", "suffix", "auto"]
+    methods = [MethodSpec(name, "specdecode", "none") for name in names]
+    questions = [Question(str(q), "c", [f"question {q}"]) for q in range(4)]
+    calls: list[tuple[str, str]] = []
+
+    def factory(name):
+        def run_turn(messages):
+            calls.append((name, messages[0]["content"]))
+            return TurnOutput("answer", 1, [1])
+        return lambda sampling: run_turn
+
+    raw = run_all(questions, methods, {name: factory(name) for name in names}, SamplingParams(max_tokens=4),
+                  repeats=2, cold=set(names))
+    assert len(calls) == 2 * 4 * 4  # the cold ones have no warm-up pass
+    slots = {name: [0] * 4 for name in names}
+    for start in range(0, len(calls), 4):
+        question_calls = calls[start:start + 4]
+        assert len({question for _, question in question_calls}) == 1  # one question's methods back to back
+        for slot, (name, _) in enumerate(question_calls):
+            slots[name][slot] += 1
+    assert all(counts == [2, 2, 2, 2] for counts in slots.values())
+    assert [name for name, _ in calls[4:8]] == ["draft", "suffix", "auto", "none"]
+    for name in names:
+        assert [[r.question_id for r in run] for run in raw[name]] == [["0", "1", "2", "3"]] * 2

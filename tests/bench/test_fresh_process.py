@@ -42,7 +42,7 @@ def test_fresh_process_answers_equal_one_process_answers(tmp_path, capsys):
         results[mode] = json.loads((out / "results.json").read_text())
     fresh, long = results["fresh"], results["long"]
     assert fresh["setup"]["process"] == "a fresh one per answer"
-    assert long["setup"]["process"] == "one for every answer"
+    assert long["setup"]["process"] == "one for all answers"
     for method in ("none", "suffix"):
         fresh_runs, long_runs = fresh["questions"][method][0], long["questions"][method][0]
         assert [q["token_ids"] for q in fresh_runs] == [q["token_ids"] for q in long_runs]
