@@ -330,7 +330,7 @@ def test_each_runner_of_one_process_warms_up_for_its_method_as_a_users_process_d
     assert chooser.drafting_seconds("draft", 2) == pytest.approx(2 * measure.seconds_per_token)
 
 
-def test_methods_take_turns_at_each_slot_across_questions_and_repeats():
+def test_methods_take_turns_at_each_slot_across_questions_and_repeats_with_new_runners_each_repeat():
     """Question-major, rotated by one each question and repeat: each method runs first, second ... equally often
     (a machine's drift does not sit on one method's slot), and each method's results stay in question order."""
     from specdecode.bench.datasets import Question
@@ -343,15 +343,23 @@ def test_methods_take_turns_at_each_slot_across_questions_and_repeats():
     questions = [Question(str(q), "c", [f"question {q}"]) for q in range(4)]
     calls: list[tuple[str, str]] = []
 
+    made: list[str] = []
+
     def factory(name):
         def run_turn(messages):
             calls.append((name, messages[0]["content"]))
             return TurnOutput("answer", 1, [1])
-        return lambda sampling: run_turn
+
+        def runner(sampling):
+            made.append(name)
+            return run_turn
+        return runner
 
     raw = run_all(questions, methods, {name: factory(name) for name in names}, SamplingParams(max_tokens=4),
                   repeats=2, cold=set(names))
     assert len(calls) == 2 * 4 * 4  # the cold ones have no warm-up pass
+    # A runner of its own each repeat: a kept one (its suffix cache) would recall its answers to the same questions.
+    assert sorted(made) == sorted(names * 2)
     slots = {name: [0] * 4 for name in names}
     for start in range(0, len(calls), 4):
         question_calls = calls[start:start + 4]
@@ -362,3 +370,20 @@ def test_methods_take_turns_at_each_slot_across_questions_and_repeats():
     assert [name for name, _ in calls[4:8]] == ["draft", "suffix", "auto", "none"]
     for name in names:
         assert [[r.question_id for r in run] for run in raw[name]] == [["0", "1", "2", "3"]] * 2
+
+
+def test_a_second_repeat_drafts_as_the_first_did_with_nothing_recalled_from_it(tiny_pair):
+    """suffix's cache outlives a request: kept across repeats it would hold its own answer to the same question."""
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.suite import parse_methods, run_all, runner_factories
+    from specdecode.config import SamplingParams
+    from specdecode.engine.engine import Engine
+    from specdecode.models.loader import load_model
+
+    engine = Engine(load_model(tiny_pair[0], dtype="float32"))
+    methods = parse_methods("suffix:guard=off", SpecConfig("none"))
+    questions = [Question("1", "c", ["say something long"])]
+    raw = run_all(questions, methods, runner_factories(engine, methods, []), SamplingParams(max_tokens=48), 2)
+    first, second = (run[0].stats for run in raw["suffix:guard=off"])
+    assert first.drafted_tokens > 0
+    assert (second.drafted_tokens, second.accepted_tokens) == (first.drafted_tokens, first.accepted_tokens)
