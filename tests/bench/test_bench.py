@@ -341,9 +341,8 @@ def test_methods_take_turns_at_each_slot_across_questions_and_repeats_with_new_r
     names = ["none", "draft", "suffix", "auto"]
     methods = [MethodSpec(name, "specdecode", "none") for name in names]
     questions = [Question(str(q), "c", [f"question {q}"]) for q in range(4)]
-    calls: list[tuple[str, str]] = []
-
-    made: list[str] = []
+    calls: list[tuple[str, str]] = []  # (method, question) in the order run
+    made: list[str] = []  # the method of each runner made
 
     def factory(name):
         def run_turn(messages):
