@@ -193,8 +193,8 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 continue
             proposal = self._timed_propose_many(member, [seq], [budget_for])[0]
             if proposal.size:
-                candidate = Candidate(member, proposal, self.chooser.expected(
-                    member.name, proposal_depth(proposal), proposal.size, 0.0))
+                candidate = Candidate(member, proposal, self.chooser.expected_lookup(
+                    member.name, proposal_depth(proposal), proposal.size))
                 if self.chooser.needs_evidence(member.name):
                     return candidate, []  # free to make: learn what it is worth (step_choice.py)
                 candidates.append(candidate)
