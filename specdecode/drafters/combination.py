@@ -172,7 +172,7 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
         estimates and asked only if chosen, so their random drafts never influence whether they are used.
         -> (a lookup's proposal to use outright, or None; the candidates by promise in tokens/s, best first,
         each with its proposal or None = not asked yet)."""
-        candidates = []
+        candidates, tries = [], []
         lengths = seq.drafter_state[LENGTHS]
         for member in self.members:
             # Each member's own adapted length within the step's budget (the engine offers the most: adapts_lengths).
@@ -195,10 +195,17 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
             if proposal.size:
                 candidate = Candidate(member, proposal, self.chooser.expected_lookup(
                     member.name, proposal_depth(proposal), proposal.size))
-                if self.chooser.needs_evidence(member.name):
-                    return candidate, []  # free to make: learn what it is worth (step_choice.py)
-                candidates.append(candidate)
-        return None, sorted(candidates, key=lambda c: -c.promise)
+                (tries if self.chooser.needs_evidence(member.name) else candidates).append(candidate)
+        ranking = sorted(candidates, key=lambda c: -c.promise)
+        # A lookup with too little evidence is tried, free to make, to learn what it is worth (step_choice.py);
+        # only where its proposal, every token accepted, would beat the best candidate and a plain step: one that
+        # could not win costs the step what the best would have given, and cannot show the lookup worth choosing
+        # (#62: a fresh process's first request tried suffix's 1-token proposals in place of the draft model's).
+        bar = max([self.chooser.plain_promise(), *(c.promise for c in ranking[:1])])
+        for candidate in tries:
+            if rate(proposal_depth(candidate.proposal) + 1, candidate.expected[1]) >= bar:
+                return candidate, []
+        return None, sorted(ranking + tries, key=lambda c: -c.promise)
 
     @staticmethod
     def _catching_up(member: Drafter, seq: Sequence) -> bool:

@@ -37,7 +37,10 @@ target promised less than a plain step at its real cost, so a process's first re
 fresh process per answer, coding: 3 draft-model steps in 242, where `draft` alone ran 1.44x).
 
 A lookup with almost no evidence behind its estimates (MIN_EVIDENCE) is tried when it proposes, since the
-prior alone can hide a good one behind a member that has learnt its worth.
+prior alone can hide a good one behind a member that has learnt its worth; but only a proposal that, every token
+accepted, would beat the best candidate (combination.py): one that could not win cannot show the lookup worth
+choosing, and in a fresh process's first request such tries of suffix's 1-token proposals took steps from the
+draft model.
 
 A lookup's proposal is judged by what its proposals of the same depth were worth (`by_depth`), leaning on its
 estimate over all depths until those have evidence of their own. A lookup proposes as deep as its match reaches
@@ -68,10 +71,10 @@ if TYPE_CHECKING:
 PRIOR_ACCEPTANCE = 0.5  # before any evidence, each draft position is accepted half the time (or: WarmMeasure's)
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind that prior
 FORGET = 0.99  # each step every count decays: a member not chosen for long drifts back to the prior and is retried
-# A lookup whose first position has less evidence than this is tried whenever it proposes: its proposals cost
-# nothing, and the prior alone can keep a good one from ever being chosen (measured: a bf16 target where the draft
-# model's learnt estimate always beat suffix's prior). Evidence decays, so an unchosen lookup is retried about
-# every 70 steps (ln 2 / (1 - FORGET)).
+# A lookup whose first position has less evidence than this is tried when it proposes what could win (above):
+# its proposals cost nothing, and the prior alone can keep a good one from ever being chosen (measured: a bf16
+# target where the draft model's learnt estimate always beat suffix's prior). Evidence decays, so an unchosen
+# lookup is retried about every 70 steps (ln 2 / (1 - FORGET)).
 MIN_EVIDENCE = 1.0
 COST_SMOOTHING = 0.2  # weight of the newest timing in the running cost estimates
 

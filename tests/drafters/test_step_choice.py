@@ -161,6 +161,31 @@ def test_estimates():
     assert flat.predict(8) == pytest.approx(0.04)
 
 
+def test_a_lookup_without_evidence_is_tried_only_where_its_proposal_could_win():
+    """A try teaches what a lookup is worth, but one that could not beat the best candidate even with every token
+    accepted costs the step and shows nothing (#62: a fresh process's first request tried suffix's 1-token
+    proposals in place of the draft model's 3-4 tokens)."""
+    def run_with(lookup_tokens: int) -> dict:
+        clock = FakeClock()
+
+        class Short(Scripted):
+            def propose(self, seq, budget: int) -> DraftProposal:
+                return super().propose(seq, min(budget, lookup_tokens))
+
+        model = Scripted("model", clock, 0.02, 0.8, samples=True)
+        chain = CombinationDrafter([model, Short("lookup", clock, 0.001, 0.95, samples=False)], "best")
+        chain.clock = clock
+        learnt = chain.chooser.members["model"]  # as after earlier requests: 3.36 tokens in 1.08 s a step
+        learnt.accepted, learnt.examined = [80.0, 64.0, 51.0, 41.0], [100.0, 80.0, 64.0, 51.0]
+        learnt.seconds_per_token = 0.02
+        for nodes in range(5):
+            chain.chooser.verify.observe(nodes, VERIFY_SECONDS)
+        return simulate(chain, clock, 30)
+
+    assert run_with(1)["wins"]["lookup"] == 0, "2 tokens at best in a step: never above the model's 3.1 a second"
+    assert run_with(4)["wins"]["lookup"] > 0, "5 tokens at best: tried"
+
+
 def test_a_lookups_proposal_is_judged_by_its_proposals_of_the_same_depth():
     """A lookup proposes as deep as its match reaches, so depth tells how well a proposal is backed (suffix on
     plain answers: 25% of 1-token proposals accepted, 93% of 8-token ones). Pooled over depths, its long matches'
