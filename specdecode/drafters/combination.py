@@ -265,9 +265,13 @@ class CombinationDrafter(Drafter, Batching, Composite, MemorySizing, ReadsVerify
                 began, proposed_at, depth, nodes, choice = proposed
                 now = self.clock()
                 self.chooser.record_verdict(result.source, depth, result.num_accepted, nodes, now - proposed_at)
-                length = seq.drafter_state[LENGTHS].get(result.source)
-                if length is not None:
-                    length.update(depth, result.num_accepted)  # its own length, whoever else drafts
+                lengths = seq.drafter_state[LENGTHS]
+                if result.source in lengths:
+                    lengths[result.source].update(depth, result.num_accepted)  # its own length, whoever else drafts
+                for member in self.members:
+                    # A member judged on its estimates (a sampling one) regains a cut length while it sits out.
+                    if member.caps.emits_probs and (member.name != result.source or depth == 0):
+                        lengths[member.name].regain()
                 if choice is not None:
                     name, tokens, seconds = choice
                     seq.choices.setdefault(name, ChoiceRecord()).add(tokens, seconds, len(result.tokens),

@@ -11,7 +11,8 @@ from scripted_choice import SPEC, VERIFY_SECONDS, Scripted, make_chain, simulate
 
 from specdecode import Engine, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.capabilities import Batching
-from specdecode.drafters.combination import CombinationDrafter
+from specdecode.drafters.combination import LENGTHS, CombinationDrafter
+from specdecode.drafters.draft_length import DraftLength
 from specdecode.drafters.step_choice import PRIOR_ACCEPTANCE, MemberEstimate, StepChooser, VerifyCost
 from specdecode.spec_types import DraftProposal, VerifyResult
 
@@ -51,6 +52,29 @@ def test_each_member_keeps_its_own_draft_length():
     assert run["lengths"]["lookup"].current <= 2 and run["lengths"]["model"].current >= 6
     model = run["choices"]["model"]
     assert model.drafted / model.steps > 5  # asked for its own length, not the lookup's
+
+
+def test_a_sampling_members_cut_length_grows_back_while_it_sits_out():
+    """Only a draft it makes can lengthen a member's own length, and the choice prices it at that length: a draft
+    model cut to 1 token promised no more than suffix's 1-token proposals and stayed cut while they ran (#62). While
+    it sits out, its length grows back to the initial one (not beyond: that is earned by accepted drafts); a
+    lookup, judged on the proposal it makes, keeps its own."""
+    length = DraftLength(4, adaptive=True)
+    for _ in range(5):
+        length.update(4, 0)
+    assert length.current == 1
+    for _ in range(10):
+        length.regain()
+    assert length.current == 4
+    chain, clock = make_chain("best", lookup_acceptance=0.5, model_acceptance=0.8, model_cost=0.02)
+    seq = SimpleNamespace(drafter_state={}, choices={}, tokens=[0] * 10, generated=0,
+                          spec=SimpleNamespace(num_draft_tokens=4, adaptive=True, guard=True))
+    chain.start(seq, None)
+    lengths = seq.drafter_state[LENGTHS]
+    lengths["model"].current = lengths["lookup"].current = 1
+    seq.drafter_state["combination"] = (0.0, 0.0, 2, 2, None)  # a step the lookup drafted, 2 deep
+    chain.commit(seq, VerifyResult([], [1], "lookup"), None)
+    assert lengths["model"].current == 2 and lengths["lookup"].current == 1
 
 
 def test_best_keeps_the_free_lookups_when_they_are_accepted():
