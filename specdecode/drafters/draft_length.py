@@ -45,8 +45,8 @@ class DraftLength:
         """A step its drafter sat out (per-step choice chose another member, or no draft): a length its rejections
         cut below the initial one grows back by one. Under per-step choice a member is priced at its own length, and
         only a draft it makes can lengthen it, so a draft model cut to 1 token promised no more than suffix's 1-token
-        proposals and stayed cut while they ran (#62, a fresh process per answer, humanities: 16 suffix steps of 1.6
-        tokens in a row where the draft model ran 2.5 a step)."""
+        proposals and stayed cut while they ran (#62, a fresh process per answer, humanities: 25 suffix steps of 1.6
+        tokens, 10 in a row, where the draft model ran 2.5 a step)."""
         if self.adaptive and self.current < self.initial:
             self.current += 1
 
