@@ -212,8 +212,8 @@ def test_a_lookup_without_evidence_is_tried_only_where_its_proposal_could_win():
 
 def test_a_lookups_proposal_is_judged_by_its_proposals_of_the_same_depth():
     """A lookup proposes as deep as its match reaches, so depth tells how well a proposal is backed (suffix on
-    plain answers: 25% of 1-token proposals accepted, 93% of 8-token ones). Pooled over depths, its long matches'
-    record priced a 1-token match as one of them."""
+    plain answers: 25% of 1-token proposals accepted, the first token of 93% of 8-token ones). Pooled over depths,
+    its long matches' record priced a 1-token match as one of them."""
     chooser = StepChooser(["lookup", "model"])
     for _ in range(10):
         chooser.record_verdict("lookup", 1, 0, 1, 0.1)  # shallow matches: rejected
